@@ -1,0 +1,83 @@
+"""LMConfig: a transformers PretrainedConfig with HF field names plus the per-layer block kinds."""
+from transformers import PretrainedConfig
+
+
+class LMConfig(PretrainedConfig):
+    model_type = "swaplm"
+
+    def __init__(
+        self,
+        vocab_size: int = 8192,
+        hidden_size: int = 256,
+        num_hidden_layers: int = 4,
+        num_attention_heads: int = 4,
+        num_key_value_heads: int | None = None,
+        head_dim: int | None = None,
+        intermediate_size: int | None = None,
+        max_position_embeddings: int = 2048,
+        rope_theta: float = 10000.0,
+        rms_norm_eps: float = 1e-6,
+        initializer_range: float = 0.02,
+        tie_word_embeddings: bool = True,
+        attention: str | list[str] = "softmax",
+        ffn: str | list[str] = "dense",
+        mixer_options: dict | None = None,
+        ffn_options: dict | None = None,
+        bos_token_id: int | None = None,
+        eos_token_id: int | None = None,
+        pad_token_id: int | None = None,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_hidden_layers = num_hidden_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        # SwiGLU width: 8/3 d rounded up to a multiple of 64 (Llama's rule) unless given.
+        self.intermediate_size = intermediate_size or 64 * ((8 * hidden_size // 3 + 63) // 64)
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rms_norm_eps = rms_norm_eps
+        self.initializer_range = initializer_range
+        # A name applies to every layer; a list gives one name per layer (hybrid schedules).
+        self.attention = list(attention) if not isinstance(attention, str) else attention
+        self.ffn = list(ffn) if not isinstance(ffn, str) else ffn
+        # Per-kind options, keyed by mixer / FFN name: {"gdn": {"conv_size": 4}, ...}.
+        self.mixer_options = dict(mixer_options or {})
+        self.ffn_options = dict(ffn_options or {})
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads={num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        super().__init__(
+            tie_word_embeddings=tie_word_embeddings,
+            bos_token_id=bos_token_id,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+            **kwargs,
+        )
+
+    def _per_layer(self, value, what: str) -> list[str]:
+        if isinstance(value, str):
+            return [value] * self.num_hidden_layers
+        if len(value) != self.num_hidden_layers:
+            raise ValueError(
+                f"{what} lists {len(value)} layers but num_hidden_layers={self.num_hidden_layers}"
+            )
+        return list(value)
+
+    @property
+    def layer_mixers(self) -> list[str]:
+        return self._per_layer(self.attention, "attention")
+
+    @property
+    def layer_ffns(self) -> list[str]:
+        return self._per_layer(self.ffn, "ffn")
+
+    def options_for_mixer(self, name: str) -> dict:
+        return dict(self.mixer_options.get(name) or {})
+
+    def options_for_ffn(self, name: str) -> dict:
+        return dict(self.ffn_options.get(name) or {})

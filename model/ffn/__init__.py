@@ -1,0 +1,12 @@
+"""Feed-forward blocks. Interface: `ffn = FFNClass(config, layer_idx)`; `y = ffn(x [B, T, D], aux=None)`.
+MoE reports its aux losses and load statistics through `aux` (an AuxCollector). Each FFN defines
+`flops_per_token()` (active forward FLOPs) and `active_parameters()` when it differs from the total."""
+import importlib
+import pkgutil
+
+from model.registry import FFNS
+
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")
+
+__all__ = ["FFNS"]

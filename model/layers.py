@@ -1,0 +1,145 @@
+"""Pieces shared by several blocks: norms, rotary embedding, the causal short convolution,
+the dt initialiser used by the gated linear mixers, and the aux-loss channel.
+
+Modules with parameters that need a non-standard init define `init_parameters()`, which
+`DecoderLM._init_weights` calls; it must use `transformers.initialization` (so that weights loaded by
+`from_pretrained` are never overwritten).
+"""
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import initialization as init
+
+
+class AuxCollector:
+    """The one channel through which blocks report extra losses and metrics during a forward.
+
+    `add_loss(name, value, coef)`: coef * value is added to the training loss; the unscaled value is
+    logged under `name`. `add_metric(name, value)`: logged only (a detached scalar or a vector).
+    Values under one name from several layers are averaged for logging; per-layer copies may be
+    reported under their own names too.
+    """
+
+    def __init__(self):
+        self.losses: dict[str, list[tuple[torch.Tensor, float]]] = {}
+        self.metrics: dict[str, list[torch.Tensor]] = {}
+
+    def add_loss(self, name: str, value: torch.Tensor, coef: float) -> None:
+        self.losses.setdefault(name, []).append((value, coef))
+
+    def add_metric(self, name: str, value: torch.Tensor) -> None:
+        self.metrics.setdefault(name, []).append(value.detach())
+
+    def total_loss(self) -> torch.Tensor | None:
+        terms = [coef * value for items in self.losses.values() for value, coef in items if coef]
+        return torch.stack(terms).sum() if terms else None
+
+    def summary(self) -> dict[str, torch.Tensor]:
+        """Mean over layers of every loss (unscaled) and metric."""
+        out = {}
+        for name, items in self.losses.items():
+            out[name] = torch.stack([v.detach().float() for v, _ in items]).mean(0)
+        for name, items in self.metrics.items():
+            out[name] = torch.stack([v.float() for v in items]).mean(0)
+        return out
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+    def init_parameters(self) -> None:
+        init.ones_(self.weight)
+
+
+class GatedRMSNorm(RMSNorm):
+    """RMSNorm(x) * silu(gate) (norm before gate, GDN) or RMSNorm(x * silu(gate)) (norm after
+    gate, Mamba2), over the last dim, which is one head or one group."""
+
+    def __init__(self, dim: int, eps: float = 1e-6, norm_before_gate: bool = True):
+        super().__init__(dim, eps)
+        self.norm_before_gate = norm_before_gate
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        if self.norm_before_gate:
+            return super().forward(x) * F.silu(gate.float()).to(x.dtype)
+        return super().forward((x.float() * F.silu(gate.float())).to(x.dtype))
+
+
+class RotaryEmbedding:
+    """RoPE (half-split convention): x -> x cos(p w) + rotate_half(x) sin(p w), w_i = theta^(-2i/d),
+    applied to the first `dim` channels of each head (partial rotary when dim < head_dim)."""
+
+    def __init__(self, dim: int, theta: float = 10000.0):
+        self.dim = dim
+        self.theta = theta
+
+    def cos_sin(self, offset: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        # Computed per call (no buffer): cheap, and nothing for from_pretrained to leave uninitialised.
+        inv_freq = self.theta ** (-torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
+        pos = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [T, dim]
+        return emb.cos(), emb.sin()
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [B, T, H, D] with D >= dim; cos, sin [T, dim]."""
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        half = self.dim // 2
+        rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
+        out = rot * cos + rotated * sin
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+class ShortConv(nn.Module):
+    """Depthwise causal 1-D convolution over time + SiLU (the short conv of Mamba2 / GDN).
+
+    forward(x [B, T, C], cache, key) -> y [B, T, C]. With a cache dict, the last (kernel - 1) inputs
+    are kept under `key` so decoding continues exactly where the previous call stopped.
+    """
+
+    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: bool = True):
+        super().__init__()
+        self.kernel_size = kernel_size
+        self.activation = activation
+        self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias,
+                              padding=0)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, key: str = "conv") -> torch.Tensor:
+        B, T, C = x.shape
+        x = x.transpose(1, 2)  # [B, C, T]
+        past = cache.get(key) if cache is not None else None
+        if past is None:
+            past = x.new_zeros(B, C, self.kernel_size - 1)
+        xp = torch.cat([past.to(x.dtype), x], dim=-1)
+        if cache is not None:
+            cache[key] = xp[..., -(self.kernel_size - 1):].detach()
+        y = F.conv1d(xp, self.conv.weight, self.conv.bias, groups=C).transpose(1, 2)
+        return F.silu(y) if self.activation else y
+
+
+def init_dt_bias_(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 1e-1,
+                  dt_floor: float = 1e-4) -> None:
+    """dt ~ exp(U(log dt_min, log dt_max)) clamped >= dt_floor; store softplus^-1(dt) = dt + log(-expm1(-dt))
+    so that softplus(dt_bias) = dt at init (Mamba2 / GDN)."""
+    dt = torch.exp(torch.rand(dt_bias.shape) * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
+    dt = dt.clamp(min=dt_floor)
+    init.copy_(dt_bias, dt + torch.log(-torch.expm1(-dt)))
+
+
+def init_A_log_(A_log: torch.Tensor, low: float, high: float) -> None:
+    """A ~ U(low, high), stored as log A (the decay is -exp(A_log))."""
+    init.copy_(A_log, torch.empty(A_log.shape).uniform_(low, high).log())

@@ -1,0 +1,177 @@
+"""DecoderLM: embed -> [x + mixer(norm(x)); x + ffn(norm(x))] x L -> norm -> lm_head.
+
+A transformers PreTrainedModel, so save_pretrained / from_pretrained / generate / lm-eval work.
+Each layer's mixer and FFN come from the registries by the names in LMConfig.attention / .ffn.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from transformers import GenerationMixin, PreTrainedModel
+from transformers import initialization as init
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from model.config import LMConfig
+from model.ffn import FFNS
+from model.layers import AuxCollector, RMSNorm
+from model.mixers import MIXERS
+
+
+class DecodeCache:
+    """Per-layer state for incremental decoding: one dict per layer, filled by its mixer.
+
+    Softmax layers keep K/V (grows with the sequence); linear mixers keep a fixed-size conv and
+    recurrent state. Passed to generate as `past_key_values`.
+    """
+
+    def __init__(self, num_layers: int):
+        self.layers: list[dict] = [{} for _ in range(num_layers)]
+        self.seen_tokens = 0
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen_tokens
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            for key, value in layer.items():
+                if torch.is_tensor(value) and value.dim() > 0:
+                    layer[key] = value.index_select(0, beam_idx.to(value.device))
+
+    def nbytes(self) -> int:
+        return sum(v.numel() * v.element_size() for layer in self.layers for v in layer.values()
+                   if torch.is_tensor(v))
+
+
+@dataclass
+class LMOutput(CausalLMOutputWithPast):
+    lm_loss: torch.Tensor | None = None
+    aux_loss: torch.Tensor | None = None
+    aux_metrics: dict | None = None
+
+
+class Block(nn.Module):
+    def __init__(self, config: LMConfig, layer_idx: int):
+        super().__init__()
+        self.mixer_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mixer = MIXERS.get(config.layer_mixers[layer_idx])(config, layer_idx)
+        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.ffn = FFNS.get(config.layer_ffns[layer_idx])(config, layer_idx)
+
+    def forward(self, x: torch.Tensor, cache: dict | None, aux: AuxCollector) -> torch.Tensor:
+        x = x + self.mixer(self.mixer_norm(x), cache, aux)
+        return x + self.ffn(self.ffn_norm(x), aux)
+
+
+class DecoderLM(PreTrainedModel, GenerationMixin):
+    config_class = LMConfig
+    base_model_prefix = "model"
+    main_input_name = "input_ids"
+    _no_split_modules = ["Block"]
+    _tied_weights_keys = {"lm_head.weight": "embed_tokens.weight"}
+
+    def __init__(self, config: LMConfig):
+        super().__init__(config)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    # transformers plumbing -------------------------------------------------------------------
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # our DecodeCache is created in forward, not a transformers DynamicCache
+
+    def get_input_embeddings(self):
+        return self.embed_tokens
+
+    def set_input_embeddings(self, value):
+        self.embed_tokens = value
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def set_output_embeddings(self, value):
+        self.lm_head = value
+
+    def _init_weights(self, module: nn.Module) -> None:
+        """N(0, initializer_range) for linears and embeddings; residual-output projections scaled by
+        1/sqrt(2 L) (GPT-2); modules with special parameters init themselves (`init_parameters`)."""
+        std = self.config.initializer_range
+        if isinstance(module, nn.Linear):
+            scale = 1 / math.sqrt(2 * self.config.num_hidden_layers) if getattr(module, "is_residual_out", False) else 1.0
+            init.normal_(module.weight, mean=0.0, std=std * scale)
+            if module.bias is not None:
+                init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            init.normal_(module.weight, mean=0.0, std=std)
+        elif hasattr(module, "init_parameters"):
+            module.init_parameters()
+
+    # forward ---------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        labels: torch.LongTensor | None = None,
+        past_key_values: DecodeCache | None = None,
+        use_cache: bool | None = None,
+        attention_mask: torch.Tensor | None = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> LMOutput:
+        """labels follow the transformers convention: aligned with input_ids and shifted here, so
+        position t predicts labels[t + 1]; -100 is ignored. attention_mask must be all ones (packed
+        sequences carry no padding); left-padded batched generation is not supported."""
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask has padding; DecoderLM takes unpadded (packed) sequences only")
+        T = input_ids.shape[1]
+        if past_key_values is None and use_cache:
+            past_key_values = DecodeCache(self.config.num_hidden_layers)
+        offset = past_key_values.seen_tokens if past_key_values is not None else 0
+        if offset + T > self.config.max_position_embeddings:
+            raise ValueError(
+                f"sequence length {offset + T} exceeds max_position_embeddings={self.config.max_position_embeddings}"
+            )
+        aux = AuxCollector()
+        x = self.embed_tokens(input_ids)
+        for i, block in enumerate(self.layers):
+            cache = None
+            if past_key_values is not None:
+                cache = past_key_values.layers[i]
+                cache["offset"] = offset
+            x = block(x, cache, aux)
+        if past_key_values is not None:
+            past_key_values.seen_tokens = offset + T
+        x = self.norm(x)
+        if logits_to_keep:
+            x = x[:, -logits_to_keep:]
+        logits = self.lm_head(x)
+
+        loss = lm_loss = aux_loss = None
+        if labels is not None:
+            lm_loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
+            )
+            aux_loss = aux.total_loss()
+            loss = lm_loss if aux_loss is None else lm_loss + aux_loss
+        return LMOutput(
+            loss=loss, logits=logits, past_key_values=past_key_values,
+            lm_loss=lm_loss, aux_loss=aux_loss, aux_metrics=aux.summary(),
+        )
+
+    # accounting ------------------------------------------------------------------------------
+    def flops_per_token(self, seq_len: int) -> float:
+        """Forward FLOPs per token of the model as built (active experts only, each mixer's own
+        cost); training is 3x this (forward + backward)."""
+        total = 2 * self.config.hidden_size * self.config.vocab_size  # lm_head
+        for block in self.layers:
+            total += block.mixer.flops_per_token(seq_len) + block.ffn.flops_per_token()
+        return float(total)
+
+    def parameter_counts(self) -> dict[str, int]:
+        """Total parameters, and active ones per token (MoE counts only routed-to experts)."""
+        total = sum(p.numel() for p in self.parameters())
+        inactive = sum(getattr(b.ffn, "inactive_parameters", lambda: 0)() for b in self.layers)
+        return {"total": total, "active": total - inactive}

@@ -1,0 +1,20 @@
+"""Sequence mixers. Interface, shared by every mixer:
+
+    mixer = MixerClass(config: LMConfig, layer_idx: int)
+    y = mixer(x [B, T, D], cache: dict | None = None, aux: AuxCollector | None = None)  # [B, T, D]
+
+`cache` is a dict the layer owns across decoding calls: the model sets `cache["offset"]` (tokens
+already processed) before each call and the mixer keeps whatever continuation needs in it (KV for
+softmax/DSA; conv + recurrent state for the linear mixers). `aux` receives optional losses/metrics.
+Each mixer may define `flops_per_token(seq_len)` (forward, multiply-add = 2 FLOPs) for MFU.
+"""
+import importlib
+import pkgutil
+
+from model.registry import MIXERS
+
+# Import every mixer module so that its @MIXERS.register runs.
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")
+
+__all__ = ["MIXERS"]

@@ -1,0 +1,71 @@
+"""Softmax attention with GQA and RoPE: o = softmax(q k^T / sqrt(d) + causal mask) v, through
+F.scaled_dot_product_attention. Its projections (q_proj, k_proj, v_proj, o_proj) and rotary are
+reused by the mixers that replace only the core (derived_gdn, dsa), so a softmax checkpoint loads
+into them unchanged."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.layers import RotaryEmbedding
+from model.registry import MIXERS
+
+
+@MIXERS.register("softmax")
+class SoftmaxAttention(nn.Module):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        self.layer_idx = layer_idx
+        d = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
+        self.o_proj.is_residual_out = True
+        self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
+
+    def project(self, x: torch.Tensor, offset: int = 0):
+        """q [B, T, H, D], k, v [B, T, Hkv, D], rotary applied at positions offset..offset+T-1."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
+        cos, sin = self.rotary.cos_sin(offset, T, x.device)
+        return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        offset = cache["offset"] if cache is not None else 0
+        q, k, v = self.project(x, offset)
+        o = self.core(q, k, v, cache, aux)  # [B, T, H, D]
+        return self.o_proj(o.reshape(B, T, -1))
+
+    def core(self, q, k, v, cache: dict | None, aux) -> torch.Tensor:
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
+        if cache is not None:
+            if "k" in cache:
+                k = torch.cat([cache["k"], k], dim=2)
+                v = torch.cat([cache["v"], v], dim=2)
+            cache["k"], cache["v"] = k, v
+        o = attend(q, k, v)
+        return o.transpose(1, 2)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Projections plus q.k and a.v over the causal context, (seq_len + 1) / 2 keys on average."""
+        d = self.q_proj.in_features
+        proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return proj + 2 * 2 * self.num_heads * self.head_dim * (seq_len + 1) / 2
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal SDPA for q [B, H, Tq, D] whose Tq positions are the last ones of k, v [B, Hkv, Tk, D]."""
+    Tq, Tk = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if Tq == Tk:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if Tq == 1:
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
+    mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)

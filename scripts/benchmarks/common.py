@@ -1,0 +1,48 @@
+"""Timing and memory helpers shared by the benchmark suites."""
+import time
+
+import torch
+
+from training.perf import matmul_peak_gflops  # noqa: F401  (re-exported for the suites)
+
+
+def time_call(fn, warmup: int = 2, iters: int = 5) -> float:
+    """Median seconds of fn() over `iters` calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def saved_activation_bytes(fn) -> int:
+    """Bytes of the distinct tensors autograd saves for backward while running fn() (the activation
+    memory of a training step, which is what differs between mixers; measured the same way on CPU
+    and GPU). Parameters saved by reference are counted too, once."""
+    seen: dict[tuple, int] = {}
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.device)
+        seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return sum(seen.values())
+
+
+def markdown_table(header: list[str], rows: list[list]) -> str:
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)

@@ -1,0 +1,2 @@
+"""Training components used by train.py (and the scripts): optimizer and schedule, metrics,
+checkpoints, hardware peaks. Each file is one concern."""
