@@ -1,0 +1,127 @@
+"""Chunked causal linear attention, and the scalar-decay chunked core it shares with the SSD op.
+
+    S_t = S_{t-1} + k_t v_t^T,   o_t = S_t^T (scale q_t)                       (state [K, V])
+    normalize=True:  o_t <- o_t / ((scale q_t) . z_t + eps),  z_t = z_{t-1} + k_t
+
+Layouts as in fla's chunk_linear_attn: q, k [B, T, H, K], v [B, T, H, V], state [B, H, K, V],
+normaliser state z [B, H, K]. On CUDA tensors, when fla imports, the unnormalised part runs in
+fla's kernel; the normaliser (which fla's `normalize` does not carry across calls) is always ours.
+"""
+import torch
+import torch.nn.functional as F
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 accumulation for half inputs; float64 stays float64."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _segsum(a: torch.Tensor) -> torch.Tensor:
+    """a [..., n] -> [..., n, n] with entry (i, j) = sum_{j < m <= i} a_m for i >= j, -inf above the
+    diagonal; built by masked cumsums (no difference of large prefix sums)."""
+    n = a.shape[-1]
+    x = a[..., None].expand(*a.shape, n)  # x[..., i, j] = a_i
+    x = x.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=a.device).tril(-1), 0)
+    x = x.cumsum(-2)
+    return x.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=a.device).tril(), float("-inf"))
+
+
+def chunk_scalar_decay(q, k, v, g, scale: float, chunk_size: int, initial_state=None):
+    """o_t = scale * S_t^T q_t with S_t = exp(g_t) S_{t-1} + k_t v_t^T, per value head.
+
+    q, k [B, T, G, K] (G groups, each shared by H / G consecutive value heads), v [B, T, H, V],
+    g [B, T, H] log-decay (<= 0) or None (no decay), state [B, H, K, V]. Inputs are already in the
+    compute dtype. Returns o [B, T, H, V], final state [B, H, K, V].
+
+    Chunks of C = min(chunk_size, T) tokens (T padded with k = v = g = 0, which leaves the state
+    unchanged); within a chunk with cumulative log-decay G_l:
+      o_l = scale (sum_{s <= l} (q_l . k_s) exp(G_l - G_s) v_s + exp(G_l) q_l^T S_start)
+      S_end = exp(G_C) S_start + sum_s exp(G_C - G_s) k_s v_s^T
+    and the chunk-start states of all chunks at once through the chunk-level decay matrix.
+    """
+    Bsz, T, H, V = v.shape
+    G, K = q.shape[2], q.shape[3]
+    C = min(chunk_size, T)
+    pad = (-T) % C
+    n = (T + pad) // C
+
+    def chunks(t):  # [B, T, X, D] -> [B, X, n, C, D]
+        t = F.pad(t, (0, 0, 0, 0, 0, pad))
+        return t.view(Bsz, n, C, t.shape[2], t.shape[3]).permute(0, 3, 1, 2, 4)
+
+    q, k = chunks(q).unsqueeze(2), chunks(k).unsqueeze(2)  # [B, G, 1, n, C, K]
+    v = chunks(v).reshape(Bsz, G, H // G, n, C, V)  # [B, G, H/G, n, C, V]
+    if g is None:
+        g = v.new_zeros(Bsz, G, H // G, n, C)
+    else:
+        g = F.pad(g, (0, 0, 0, pad)).view(Bsz, n, C, G, H // G).permute(0, 3, 4, 1, 2)
+    gc = g.cumsum(-1)  # G_l, [B, G, H/G, n, C]
+    g_last = gc[..., -1:]
+
+    # Intra-chunk: causal (q k^T) o exp(G_l - G_s), one q k^T per group.
+    causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    o = ((q @ k.transpose(-1, -2)) * decay) @ v
+
+    # Each chunk's own contribution to its end state: sum_s exp(G_C - G_s) k_s v_s^T.
+    states = (k * (g_last - gc).exp()[..., None]).transpose(-1, -2) @ v  # [B, G, H/G, n, K, V]
+    if initial_state is None:
+        initial_state = v.new_zeros(Bsz, H, K, V)
+    states = torch.cat([initial_state.view(Bsz, G, H // G, 1, K, V), states], dim=3)
+    # Start state of chunk i (i = 0..n, n = final): sum_{j <= i} exp(g_last_j + ... + g_last_{i-1}) states_j.
+    chunk_decay = _segsum(F.pad(g_last[..., 0], (1, 0))).exp()  # [B, G, H/G, n+1, n+1]
+    states = (chunk_decay @ states.flatten(-2)).view(Bsz, G, H // G, n + 1, K, V)
+    start, final = states[..., :-1, :, :], states[..., -1, :, :]
+
+    o = o + (q * gc.exp()[..., None]) @ start
+    o = (scale * o).reshape(Bsz, H, n * C, V).transpose(1, 2)[:, :T]
+    return o, final.reshape(Bsz, H, K, V)
+
+
+def chunk_flops_per_token(seq_len: int, chunk_size: int, groups: int, heads: int, k_dim: int,
+                          v_dim: int) -> float:
+    """Forward FLOPs per token of chunk_scalar_decay as computed (full C x C blocks): q k^T per group,
+    scores @ v, the chunk-state k^T v and q S_start per head, and the (n+1)^2 chunk-decay matmul."""
+    C = min(chunk_size, seq_len)
+    n = -(-seq_len // C)
+    per_head = 2 * C * v_dim + 2 * 2 * k_dim * v_dim + 2 * (n + 1) ** 2 * k_dim * v_dim / seq_len
+    return 2 * C * k_dim * groups + per_head * heads
+
+
+def _fla_linear_attn():
+    try:
+        from fla.ops.linear_attn import chunk_linear_attn as kernel
+    except ImportError:
+        return None
+    return kernel
+
+
+def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
+                      output_final_state: bool = False, normalize: bool = False,
+                      chunk_size: int = 64, eps: float = 1e-6):
+    """Causal linear attention (see module docstring). scale defaults to K^-0.5.
+
+    Without normalize, initial_state / final state are S [B, H, K, V]; with normalize they are pairs
+    (S, z) with z [B, H, K] the running sum of keys. Returns (o [B, T, H, V] in v's dtype,
+    final state or None)."""
+    K = q.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    S0, z0 = (initial_state if normalize else (initial_state, None)) if initial_state is not None else (None, None)
+    kernel = _fla_linear_attn() if q.is_cuda else None
+    if kernel is not None:
+        o, S = kernel(q, k, v, scale=scale, initial_state=S0, output_final_state=output_final_state,
+                      normalize=False)
+        o = o.to(compute_dtype(v.dtype))
+    else:
+        ct = compute_dtype(v.dtype)
+        o, S = chunk_scalar_decay(q.to(ct), k.to(ct), v.to(ct), None, scale, chunk_size,
+                                  None if S0 is None else S0.to(ct))
+    final = S if output_final_state else None
+    if normalize:
+        ct = o.dtype
+        kc = k.to(ct).cumsum(1)  # z_t = z0 + sum_{i <= t} k_i
+        if z0 is not None:
+            kc = kc + z0.to(ct)[:, None]
+        o = o / ((scale * q.to(ct) * kc).sum(-1, keepdim=True) + eps)
+        final = (S, kc[:, -1]) if output_final_state else None
+    return o.to(v.dtype), final
