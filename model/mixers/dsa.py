@@ -1,0 +1,132 @@
+"""DeepSeek Sparse Attention (DeepSeek-V3.2): softmax attention in which each query attends only to the
+top-k earlier tokens picked by a lightning indexer,
+
+    I[t, s] = sum_{j <= H_I} w[t, j] H_I^-1/2 relu(q_i[t, j] . k_i[s] d_I^-1/2),    s <= t,
+
+with H_I indexer heads (q_i and w from the query token), one shared LayerNorm'd key k_i per token,
+and partial rotary on q_i, k_i. The projections and rotary are SoftmaxAttention's, so a softmax
+checkpoint loads unchanged; all new parameters live under `indexer`.
+
+The indexer learns from L_I = mean_t KL(p_t || softmax(I_t)), p_t the main attention probabilities
+averaged over heads (detached), reported as aux loss "dsa/indexer_kl". Its input is detached, so the
+LM loss never reaches the indexer and L_I never reaches the rest. Stages (option `stage`):
+  warmup: dense attention; L_I over all causal keys (the trainer freezes all but the indexer);
+  sparse: attention over the top-k keys only; L_I over the selected keys. While a query sees <= topk
+          keys it selects them all, so attention is exactly dense (and computed densely) there.
+In eval mode the layer also reports "dsa/topk_attention_recall": the share of the dense attention
+mass (head-averaged) that the selected keys hold.
+"""
+import torch
+import torch.nn as nn
+from transformers import initialization as init
+
+from model.layers import RotaryEmbedding
+from model.mixers.softmax import SoftmaxAttention, attend
+from model.ops.sparse_attention import (dense_attention_probs, index_scores, index_scores_at, index_topk,
+                                        selected_attention_probs, sparse_attention)
+from model.registry import MIXERS
+
+STAGES = ("warmup", "sparse")
+
+
+class LightningIndexer(nn.Module):
+    """q_i [B, T, H_I, d_I] (scaled by d_I^-1/2), k_i [B, T, d_I], w [B, T, H_I] (scaled by H_I^-1/2)."""
+
+    def __init__(self, hidden_size: int, heads: int, head_dim: int, rope_dim: int, rope_theta: float):
+        super().__init__()
+        self.heads, self.head_dim = heads, head_dim
+        self.q_proj = nn.Linear(hidden_size, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(head_dim)
+        self.w_proj = nn.Linear(hidden_size, heads, bias=False)
+        self.rotary = RotaryEmbedding(rope_dim, rope_theta)  # on the first rope_dim channels only
+
+    def forward(self, x: torch.Tensor, offset: int):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_norm(self.k_proj(x)).view(B, T, 1, self.head_dim)
+        cos, sin = self.rotary.cos_sin(offset, T, x.device)
+        q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
+        return q * self.head_dim**-0.5, k[:, :, 0], self.w_proj(x) * self.heads**-0.5
+
+    def init_parameters(self) -> None:
+        init.ones_(self.k_norm.weight)
+        init.zeros_(self.k_norm.bias)
+
+
+@MIXERS.register("dsa")
+class DSAttention(SoftmaxAttention):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
+        opts = {"topk": 64, "index_heads": 4, "index_head_dim": 32, "index_rope_dim": 16, "stage": "sparse",
+                "indexer_loss_coef": 1.0}
+        unknown = set(config.options_for_mixer("dsa")) - set(opts)
+        if unknown:
+            raise ValueError(f"unknown dsa option(s) {sorted(unknown)}; valid: {', '.join(opts)}")
+        opts.update(config.options_for_mixer("dsa"))
+        if opts["stage"] not in STAGES:
+            raise ValueError(f"dsa stage {opts['stage']!r}; valid: {', '.join(STAGES)}")
+        if opts["topk"] < 1:
+            raise ValueError(f"dsa topk={opts['topk']}; must be >= 1")
+        if opts["index_rope_dim"] % 2 or not 0 < opts["index_rope_dim"] <= opts["index_head_dim"]:
+            raise ValueError(f"dsa index_rope_dim={opts['index_rope_dim']}; must be even and in "
+                             f"(0, index_head_dim={opts['index_head_dim']}]")
+        self.topk, self.stage, self.indexer_loss_coef = opts["topk"], opts["stage"], opts["indexer_loss_coef"]
+        self.indexer = LightningIndexer(config.hidden_size, opts["index_heads"], opts["index_head_dim"],
+                                        opts["index_rope_dim"], config.rope_theta)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        offset = cache["offset"] if cache is not None else 0
+        q, k, v = self.project(x, offset)  # [B, T, H(kv), D]
+        q_i, k_i, w = self.indexer(x.detach(), offset)
+        if cache is not None:
+            if "k" in cache:
+                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
+                k_i = torch.cat([cache["index_k"], k_i], 1)
+            cache["k"], cache["v"], cache["index_k"] = k, v, k_i
+        sparse = self.stage == "sparse" and k.shape[1] > self.topk
+        indices = None
+        if sparse or (aux is not None and not self.training):
+            indices = index_topk(q_i, k_i, w, self.topk, offset)  # [B, T, K], -1 = empty slot
+        if sparse:
+            o = sparse_attention(q, k, v, indices)
+        else:
+            o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+        if aux is not None:
+            self.report(aux, q, k, q_i, k_i, w, indices if sparse else None, offset)
+            if not self.training:
+                self.report_recall(aux, q, k, indices, offset)
+        return self.o_proj(o.reshape(B, T, -1))
+
+    def report(self, aux, q, k, q_i, k_i, w, indices, offset) -> None:
+        """L_I = mean_t KL(p_t || softmax(I_t)) over the selected keys (all causal keys if indices is None)."""
+        if indices is None:
+            p, logits = dense_attention_probs(q, k, offset), index_scores(q_i, k_i, w, offset)
+        else:
+            p, logits = selected_attention_probs(q, k, indices), index_scores_at(q_i, k_i, w, indices)
+        log_q = logits.log_softmax(-1).masked_fill(logits == float("-inf"), 0)  # there p = 0 too
+        kl = (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
+        aux.add_loss("dsa/indexer_kl", kl, self.indexer_loss_coef)
+
+    def report_recall(self, aux, q, k, indices, offset) -> None:
+        """sum over the selected keys of the dense head-averaged attention probability, mean over queries."""
+        p = dense_attention_probs(q, k, offset).gather(-1, indices.clamp(min=0))
+        aux.add_metric("dsa/topk_attention_recall", (p * (indices >= 0)).sum(-1).mean())
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Projections (main + indexer), the indexer over the causal context ((L + 1) / 2 keys on average,
+        H_I (d_I + 1) multiply-adds per key), and attention over min(topk, t) keys at position t (all t
+        keys in warm-up)."""
+        d = self.q_proj.in_features
+        ix = self.indexer
+        proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        proj += 2 * d * (ix.heads * ix.head_dim + ix.head_dim + ix.heads)
+        context = (seq_len + 1) / 2
+        index = 2 * ix.heads * (ix.head_dim + 1) * context
+        k = self.topk if self.stage == "sparse" else seq_len
+        if seq_len <= k:
+            keys = context
+        else:  # sum_{t=1..L} min(k, t) / L
+            keys = (k * (k + 1) / 2 + (seq_len - k) * k) / seq_len
+        return proj + index + 2 * 2 * self.num_heads * self.head_dim * keys
