@@ -1,0 +1,63 @@
+"""Linear attention (Katharopoulos et al. 2020), the seeds' baseline:
+
+    q, k, v = softmax attention's projections (rotary applied), q, k <- phi(q), phi(k)
+    S_t = S_{t-1} + k_t v_t^T,  o_t = S_t^T (q_t / sqrt(d))  [/ ((q_t / sqrt(d)) . sum_{i<=t} k_i + eps)]
+
+phi is `elu1` (elu(x) + 1, positive) or `identity`; `normalize` divides by the running key sum
+(needs the positive phi). q_proj/k_proj/v_proj/o_proj and rotary are SoftmaxAttention's, so a
+softmax checkpoint loads unchanged; phi is applied after rotary, to the q, k that checkpoint was
+trained to produce (as in the Hedgehog / LoLCATs conversions of RoPE models). With GQA, k and v are
+repeated to the query heads. Decoding keeps S [B, H, d, d] (and the key sum) in the cache.
+"""
+import torch
+import torch.nn.functional as F
+
+from model.mixers.softmax import SoftmaxAttention
+from model.ops.linear_attention import chunk_flops_per_token, chunk_linear_attn
+from model.registry import MIXERS
+
+FEATURE_MAPS = {"identity": lambda x: x, "elu1": lambda x: F.elu(x) + 1}
+DEFAULTS = dict(feature_map="elu1", normalize=True, chunk_size=64)
+
+
+@MIXERS.register("linear")
+class LinearAttention(SoftmaxAttention):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
+        opts = config.options_for_mixer("linear")
+        unknown = sorted(set(opts) - set(DEFAULTS))
+        if unknown:
+            raise ValueError(f"unknown linear option(s) {unknown}; valid: {', '.join(DEFAULTS)}")
+        opts = {**DEFAULTS, **opts}
+        if opts["feature_map"] not in FEATURE_MAPS:
+            raise ValueError(f"linear feature_map={opts['feature_map']!r}; valid: {', '.join(FEATURE_MAPS)}")
+        if opts["normalize"] and opts["feature_map"] != "elu1":
+            raise ValueError(f"linear normalize=True needs feature_map='elu1' (a positive map), got {opts['feature_map']!r}")
+        self.feature_map = FEATURE_MAPS[opts["feature_map"]]
+        self.normalize = bool(opts["normalize"])
+        self.chunk_size = opts["chunk_size"]
+
+    def core(self, q, k, v, cache: dict | None, aux) -> torch.Tensor:
+        q, k = self.feature_map(q), self.feature_map(k)
+        if self.num_kv_heads != self.num_heads:
+            rep = self.num_heads // self.num_kv_heads
+            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        state = None
+        if cache is not None and "state" in cache:
+            state = (cache["state"], cache["key_sum"]) if self.normalize else cache["state"]
+        o, state = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=cache is not None,
+                                     normalize=self.normalize, chunk_size=self.chunk_size)
+        if cache is not None:
+            if self.normalize:
+                cache["state"], cache["key_sum"] = state[0].detach(), state[1].detach()
+            else:
+                cache["state"] = state.detach()
+        return o
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Projections plus the chunked linear-attention core (k, v repeated to all heads)."""
+        d = self.q_proj.in_features
+        proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        core = chunk_flops_per_token(seq_len, self.chunk_size, self.num_heads, self.num_heads,
+                                     self.head_dim, self.head_dim)
+        return proj + core

@@ -1,0 +1,91 @@
+"""Mamba2 block (mamba_ssm's Mamba2 module):
+
+    [z, x, B, C, dt] = in_proj(u)                      widths d_inner, d_inner, G N, G N, H
+    x, B, C = silu(causal_conv1d([x, B, C]))           depthwise, kernel 4, with bias
+    y = SSD(x, dt, A, B, C) + D x                      dt <- softplus(dt + dt_bias), A = -exp(A_log)
+    out = out_proj(RMSNorm_group(y * silu(z)))         norm after the gate, per group of d_inner / G
+
+d_inner = expand * d_model, H = d_inner / head_dim. The gated norm's weight (d_inner / G wide) is
+shared by the groups, where mamba_ssm has one per channel: identical at the default G = 1. Decoding keeps the conv window and the SSM state
+[B, H, P, N] in the cache: constant memory per layer.
+
+state_size defaults to 64 rather than mamba_ssm's 128: the SSD's FLOPs and state grow linearly in
+N, and at d_model = 256 on CPU N = 64 keeps the scan at ~20% of the mixer's FLOPs (28% at N = 128)
+with a state of H P N = 32K floats per layer (8 heads of 64).
+"""
+import torch
+import torch.nn as nn
+from transformers import initialization as init
+
+from model.layers import GatedRMSNorm, ShortConv, init_A_log_, init_dt_bias_
+from model.ops.linear_attention import chunk_flops_per_token
+from model.ops.ssd import mamba_chunk_scan, mamba_state_step
+from model.registry import MIXERS
+
+DEFAULTS = dict(expand=2, head_dim=64, state_size=64, n_groups=1, conv_size=4, chunk_size=64)
+
+
+@MIXERS.register("mamba2")
+class Mamba2(nn.Module):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        opts = config.options_for_mixer("mamba2")
+        unknown = sorted(set(opts) - set(DEFAULTS))
+        if unknown:
+            raise ValueError(f"unknown mamba2 option(s) {unknown}; valid: {', '.join(DEFAULTS)}")
+        opts = {**DEFAULTS, **opts}
+        d = config.hidden_size
+        self.d_inner = opts["expand"] * d
+        self.head_dim, self.state_size, self.n_groups = opts["head_dim"], opts["state_size"], opts["n_groups"]
+        self.chunk_size = opts["chunk_size"]
+        if self.d_inner % self.head_dim:
+            raise ValueError(f"mamba2 head_dim={self.head_dim} does not divide d_inner={self.d_inner}")
+        self.num_heads = self.d_inner // self.head_dim
+        if self.num_heads % self.n_groups:
+            raise ValueError(f"mamba2 n_groups={self.n_groups} does not divide num_heads={self.num_heads}")
+        gn = self.n_groups * self.state_size
+        self.in_proj = nn.Linear(d, 2 * self.d_inner + 2 * gn + self.num_heads, bias=False)
+        self.conv = ShortConv(self.d_inner + 2 * gn, opts["conv_size"], bias=True)
+        self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
+        self.A_log = nn.Parameter(torch.empty(self.num_heads))
+        self.D = nn.Parameter(torch.empty(self.num_heads))
+        self.norm = GatedRMSNorm(self.d_inner // self.n_groups, config.rms_norm_eps, norm_before_gate=False)
+        self.out_proj = nn.Linear(self.d_inner, d, bias=False)
+        self.out_proj.is_residual_out = True
+
+    def init_parameters(self) -> None:
+        init_dt_bias_(self.dt_bias)  # softplus(dt_bias) ~ logU(1e-3, 1e-1)
+        init_A_log_(self.A_log, 1, 16)  # A = -exp(A_log), -A ~ U(1, 16)
+        init.ones_(self.D)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None) -> torch.Tensor:
+        Bsz, T, _ = x.shape
+        H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.state_size
+        z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * G * N, H], dim=-1)
+        xs, B, C = self.conv(xBC, cache).split([self.d_inner, G * N, G * N], dim=-1)
+        xs, B, C = xs.view(Bsz, T, H, P), B.view(Bsz, T, G, N), C.view(Bsz, T, G, N)
+        A = -torch.exp(self.A_log.float())
+        state = cache.get("ssm") if cache is not None else None
+        if cache is not None and T == 1:
+            if state is None:
+                state = x.new_zeros(Bsz, H, P, N, dtype=torch.float32)
+            y, state = mamba_state_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state, D=self.D,
+                                        dt_bias=self.dt_bias, dt_softplus=True)
+            y = y[:, None]
+        else:
+            y = mamba_chunk_scan(xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                                 dt_softplus=True, initial_states=state, return_final_states=cache is not None)
+            if cache is not None:
+                y, state = y
+        if cache is not None:
+            cache["ssm"] = state.detach()
+        y = self.norm(y.reshape(Bsz, T, G, -1), z.reshape(Bsz, T, G, -1))
+        return self.out_proj(y.reshape(Bsz, T, self.d_inner))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """in_proj, conv, SSD (chunked: C B^T per group, the rest per head; D skip) and out_proj."""
+        proj = 2 * self.in_proj.in_features * (self.in_proj.out_features + self.d_inner)
+        conv = 2 * self.conv.kernel_size * self.conv.conv.in_channels
+        ssd = chunk_flops_per_token(seq_len, self.chunk_size, self.n_groups, self.num_heads,
+                                    self.state_size, self.head_dim)
+        return proj + conv + ssd + 2 * self.d_inner
