@@ -29,6 +29,14 @@ from model.registry import MIXERS
 STAGES = ("warmup", "sparse")
 
 
+class KeyNorm(nn.LayerNorm):
+    """LayerNorm that initialises itself (DecoderLM._init_weights only knows Linear and Embedding)."""
+
+    def init_parameters(self) -> None:
+        init.ones_(self.weight)
+        init.zeros_(self.bias)
+
+
 class LightningIndexer(nn.Module):
     """q_i [B, T, H_I, d_I] (scaled by d_I^-1/2), k_i [B, T, d_I], w [B, T, H_I] (scaled by H_I^-1/2)."""
 
@@ -37,7 +45,7 @@ class LightningIndexer(nn.Module):
         self.heads, self.head_dim = heads, head_dim
         self.q_proj = nn.Linear(hidden_size, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.k_norm = nn.LayerNorm(head_dim)
+        self.k_norm = KeyNorm(head_dim)
         self.w_proj = nn.Linear(hidden_size, heads, bias=False)
         self.rotary = RotaryEmbedding(rope_dim, rope_theta)  # on the first rope_dim channels only
 
@@ -48,10 +56,6 @@ class LightningIndexer(nn.Module):
         cos, sin = self.rotary.cos_sin(offset, T, x.device)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         return q * self.head_dim**-0.5, k[:, :, 0], self.w_proj(x) * self.heads**-0.5
-
-    def init_parameters(self) -> None:
-        init.ones_(self.k_norm.weight)
-        init.zeros_(self.k_norm.bias)
 
 
 @MIXERS.register("dsa")
