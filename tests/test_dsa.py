@@ -1,0 +1,292 @@
+"""DeepSeek Sparse Attention: the ops against per-token loops written from the formulas (float64), and
+the mixer against softmax attention, its stages, checkpoint loading, warm-up and decoding."""
+import pytest
+import torch
+
+import model.ops.sparse_attention as sa
+from model import DecodeCache, DecoderLM, LMConfig
+from model.layers import AuxCollector
+from model.mixers.dsa import DSAttention
+from model.mixers.softmax import SoftmaxAttention, attend
+
+F64 = torch.float64
+
+
+def rand(*shape, g, dtype=F64, requires_grad=True):
+    return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
+
+
+def naive_index_scores(q_i, k_i, w):
+    """I[b, t, s] = sum_j w[b, t, j] relu(q_i[b, t, j] . k_i[b, s]) for s <= t, else -inf."""
+    B, T, H_I, _ = q_i.shape
+    out = torch.full((B, T, k_i.shape[1]), float("-inf"), dtype=q_i.dtype)
+    for b in range(B):
+        for t in range(T):
+            for s in range(t + 1):
+                out[b, t, s] = sum(w[b, t, j] * torch.relu(q_i[b, t, j] @ k_i[b, s]) for j in range(H_I))
+    return out
+
+
+def naive_sparse_attention(q, k, v, indices):
+    """o[b, t, h] = sum_{s in sel} softmax_s(q . k_s / sqrt(D)) v_s over the selected s (-1 = none)."""
+    B, T, H, D = q.shape
+    G = H // k.shape[2]
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=q.dtype)
+    for b in range(B):
+        for t in range(T):
+            sel = [int(s) for s in indices[b, t] if s >= 0]
+            for h in range(H):
+                logits = torch.stack([q[b, t, h] @ k[b, s, h // G] for s in sel]) * D**-0.5
+                p = logits.softmax(0)
+                o[b, t, h] = sum(p[i] * v[b, s, h // G] for i, s in enumerate(sel))
+    return o
+
+
+def grads(out, inputs, g):
+    return torch.autograd.grad((out * g).sum(), inputs)
+
+
+@pytest.fixture(params=["small_blocks", "one_block"])
+def blocks(request, monkeypatch):
+    """Run each op test with blocks of a few queries (uneven last block) and with one block."""
+    if request.param == "small_blocks":
+        monkeypatch.setattr(sa, "_BLOCK_ELEMS", 700)
+
+
+def indexer_inputs(B=2, T=13, H_I=3, d_I=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return rand(B, T, H_I, d_I, g=g), rand(B, T, d_I, g=g), rand(B, T, H_I, g=g)
+
+
+def attention_inputs(B=2, T=13, H=4, Hkv=2, D=6, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return rand(B, T, H, D, g=g), rand(B, T, Hkv, D, g=g), rand(B, T, Hkv, D, g=g)
+
+
+# ---- ops ------------------------------------------------------------------------------------------
+
+def test_index_scores_match_formula(blocks):
+    q_i, k_i, w = indexer_inputs()
+    torch.testing.assert_close(sa.index_scores(q_i, k_i, w), naive_index_scores(q_i, k_i, w))
+
+
+@pytest.mark.parametrize("topk", [1, 5, 13, 20])
+def test_index_topk_selects_the_top_visible_keys(blocks, topk):
+    q_i, k_i, w = indexer_inputs()
+    ref = naive_index_scores(q_i, k_i, w).detach()
+    idx = sa.index_topk(q_i, k_i, w, topk)
+    T = ref.shape[1]
+    assert idx.shape == (2, T, min(topk, T))
+    for b in range(2):
+        for t in range(T):
+            sel = idx[b, t][idx[b, t] >= 0]
+            assert len(sel) == min(topk, t + 1) and len(set(sel.tolist())) == len(sel)
+            assert int(sel.max()) <= t
+            # the selected scores are the largest ones (compared as values: robust to ties)
+            torch.testing.assert_close(ref[b, t, sel].sort().values, ref[b, t, : t + 1].sort().values[-len(sel):])
+    # queries at an offset (a prefill continuing a cache) select the same keys
+    late = sa.index_topk(q_i[:, 6:], k_i, w[:, 6:], topk, offset=6)
+    assert torch.equal(late.sort(-1).values, idx[:, 6:].sort(-1).values)
+
+
+def test_index_scores_at_match_dense_scores_values_and_grads(blocks):
+    q_i, k_i, w = indexer_inputs()
+    idx = sa.index_topk(q_i, k_i, w, 4)
+    out = sa.index_scores_at(q_i, k_i, w, idx)
+    ref = naive_index_scores(q_i, k_i, w).gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(out.shape, dtype=F64).masked_fill(idx < 0, 0)
+    finite = lambda x: x.masked_fill(idx < 0, 0)  # noqa: E731
+    for a, r in zip(grads(finite(out), (q_i, k_i, w), g), grads(finite(ref), (q_i, k_i, w), g)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("topk", [1, 4, 9])
+def test_sparse_gather_path_matches_dense_masked_path_and_formula(blocks, topk):
+    q, k, v = attention_inputs()
+    idx = sa.index_topk(*indexer_inputs(), topk)
+    out, ref = sa.sparse_attention(q, k, v, idx), sa.sparse_attention_reference(q, k, v, idx)
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(out, naive_sparse_attention(q, k, v, idx))
+    g = torch.randn(out.shape, dtype=F64)
+    for a, r in zip(grads(out, (q, k, v), g), grads(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, r)
+
+
+def test_sparse_gather_path_with_all_keys_is_causal_softmax_attention():
+    q, k, v = attention_inputs()
+    idx = sa.index_topk(*indexer_inputs(), 13)
+    out = sa.sparse_attention(q, k, v, idx)
+    ref = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(out.shape, dtype=F64)
+    for a, r in zip(grads(out, (q, k, v), g), grads(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, r)
+
+
+def test_sparse_attention_fp32_accumulation_for_bf16_inputs():
+    q, k, v = (x.detach() for x in attention_inputs())
+    idx = sa.index_topk(*indexer_inputs(), 4)
+    out = sa.sparse_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), idx)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), sa.sparse_attention_reference(q, k, v, idx), atol=3e-2, rtol=3e-2)
+
+
+def test_attention_probs_match_formula(blocks):
+    q, k, _ = attention_inputs()
+    idx = sa.index_topk(*indexer_inputs(), 4)
+    B, T, H, D = q.shape
+    s = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(2, dim=2)) * D**-0.5
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    dense = s.masked_fill(~causal, float("-inf")).softmax(-1).mean(1)  # head-averaged causal softmax
+    torch.testing.assert_close(sa.dense_attention_probs(q, k), dense.detach())
+    # restricted to the selected keys: renormalised per head, then head-averaged
+    sel = s.gather(-1, idx.clamp(min=0)[:, None].expand(-1, H, -1, -1)).masked_fill(idx[:, None] < 0, float("-inf"))
+    torch.testing.assert_close(sa.selected_attention_probs(q, k, idx), sel.softmax(-1).mean(1).detach())
+    # a query's later positions start at `offset`
+    torch.testing.assert_close(sa.dense_attention_probs(q[:, 5:], k, offset=5), dense[:, 5:].detach())
+
+
+# ---- mixer ----------------------------------------------------------------------------------------
+
+def tiny_config(**dsa_options):
+    return LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, attention="dsa", mixer_options={"dsa": dsa_options},
+                    max_position_embeddings=64)
+
+
+def mixer_pair(**dsa_options):
+    torch.manual_seed(0)
+    cfg = tiny_config(index_heads=3, index_head_dim=8, index_rope_dim=4, **dsa_options)
+    dsa = DSAttention(cfg).double()
+    soft = SoftmaxAttention(cfg).double()
+    for p in dsa.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    result = soft.load_state_dict(dsa.state_dict(), strict=False)
+    assert not result.missing_keys and all(k.startswith("indexer.") for k in result.unexpected_keys)
+    return dsa, soft
+
+
+@pytest.mark.parametrize("stage", ["sparse", "warmup"])
+def test_topk_at_least_T_equals_softmax_attention(stage):
+    dsa, soft = mixer_pair(topk=16, stage=stage)
+    x = torch.randn(2, 16, 32, dtype=F64, requires_grad=True)
+    y, ref = dsa(x, None, AuxCollector()), soft(x)
+    torch.testing.assert_close(y, ref)
+    g = torch.randn(y.shape, dtype=F64)
+    params = [dsa.q_proj.weight, dsa.k_proj.weight, dsa.v_proj.weight, dsa.o_proj.weight]
+    ref_params = [soft.q_proj.weight, soft.k_proj.weight, soft.v_proj.weight, soft.o_proj.weight]
+    for a, r in zip(grads(y, [x] + params, g), grads(ref, [x] + ref_params, g)):
+        torch.testing.assert_close(a, r)
+
+
+@pytest.mark.parametrize("stage", ["sparse", "warmup"])
+def test_gradient_isolation(stage):
+    dsa, _ = mixer_pair(topk=4, stage=stage)
+    x = torch.randn(2, 12, 32, dtype=F64, requires_grad=True)
+    aux = AuxCollector()
+    y = dsa(x, None, aux)
+    (kl, coef), = aux.losses["dsa/indexer_kl"]
+    assert coef == 1.0 and kl > 0
+    indexer = [p for n, p in dsa.named_parameters() if n.startswith("indexer.")]
+    main = [p for n, p in dsa.named_parameters() if not n.startswith("indexer.")]
+    lm_grads = torch.autograd.grad((y * torch.randn_like(y)).sum(), indexer + main + [x], allow_unused=True,
+                                   retain_graph=True)
+    assert all(g is None for g in lm_grads[: len(indexer)])  # LM loss: nothing reaches the indexer
+    assert all(g is not None and g.abs().sum() > 0 for g in lm_grads[len(indexer):])
+    kl_grads = torch.autograd.grad(kl, indexer + main + [x], allow_unused=True)
+    assert all(g is not None and g.abs().sum() > 0 for g in kl_grads[: len(indexer)])
+    assert all(g is None for g in kl_grads[len(indexer):])  # KL: nothing reaches the model or its input
+
+
+def test_warmup_step_changes_only_indexer_parameters():
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_config(topk=4, stage="warmup"))
+    for n, p in model.named_parameters():
+        p.requires_grad_("indexer" in n)  # what train.trainable=[indexer] does
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    ids = torch.randint(0, 64, (2, 16))
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) != ("indexer" in n), n
+
+
+def test_softmax_checkpoint_loads_into_dsa(tmp_path):
+    torch.manual_seed(0)
+    soft = DecoderLM(LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2))
+    soft.save_pretrained(tmp_path)
+    dsa, info = DecoderLM.from_pretrained(tmp_path, attention="dsa", mixer_options={"dsa": {"topk": 16}},
+                                          output_loading_info=True)
+    assert info["missing_keys"] and all(".mixer.indexer." in k for k in info["missing_keys"])
+    assert not info["unexpected_keys"] and not info["mismatched_keys"]
+    assert all(torch.isfinite(p).all() for p in dsa.parameters())
+    torch.testing.assert_close(dsa.layers[0].mixer.indexer.k_norm.weight, torch.ones(32))
+    ids = torch.randint(0, 64, (2, 16))
+    assert torch.equal(dsa(ids, labels=ids).lm_loss, soft(ids, labels=ids).lm_loss)
+
+
+def recall(model, ids):
+    model.eval()
+    with torch.no_grad():
+        r = model(ids).aux_metrics["dsa/topk_attention_recall"].item()
+    model.train()
+    return r
+
+
+def test_warmup_raises_topk_attention_recall():
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_config(topk=4, stage="warmup", index_heads=4, index_head_dim=16, index_rope_dim=8))
+    with torch.no_grad():  # peaked attention, as in a trained model (at init it is near uniform)
+        for block in model.layers:
+            block.mixer.q_proj.weight.mul_(30)
+            block.mixer.k_proj.weight.mul_(30)
+    for n, p in model.named_parameters():
+        p.requires_grad_("indexer" in n)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    held_out = torch.randint(0, 64, (4, 32))
+    start = recall(model, held_out)
+    for _ in range(24):
+        ids = torch.randint(0, 64, (4, 32))
+        model(ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    end = recall(model, held_out)
+    assert end > start + 0.1, (start, end)
+
+
+def test_decoding_matches_full_forward():
+    torch.manual_seed(0)
+    model = DecoderLM(tiny_config(topk=5, index_heads=8, index_head_dim=16, index_rope_dim=8)).eval()
+    ids = torch.randint(0, 64, (2, 19))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DecodeCache(model.config.num_hidden_layers)
+        steps = [model(ids[:, :7], past_key_values=cache).logits, model(ids[:, 7:10], past_key_values=cache).logits]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(10, 19)]
+    assert cache.layers[0]["k"].shape[1] == 19 and cache.layers[0]["index_k"].shape[1] == 19
+    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=0)
+
+
+def test_flops_per_token():
+    cfg = tiny_config(topk=8)
+    dsa, soft = DSAttention(cfg), SoftmaxAttention(cfg)
+    H, D, d, H_I, d_I = 4, 8, 32, 4, 32
+    for L in (4, 8, 100):
+        index = 2 * d * (H_I * d_I + d_I + H_I) + 2 * H_I * (d_I + 1) * (L + 1) / 2
+        keys = sum(min(8, t) for t in range(1, L + 1)) / L  # sparse: min(topk, t) keys at position t
+        dense_core = 2 * 2 * H * D * (L + 1) / 2
+        expected = soft.flops_per_token(L) - dense_core + index + 2 * 2 * H * D * keys
+        assert dsa.flops_per_token(L) == pytest.approx(expected)
+    warm = DSAttention(tiny_config(topk=8, stage="warmup"))
+    index = 2 * d * (H_I * d_I + d_I + H_I) + 2 * H_I * (d_I + 1) * 50.5
+    assert warm.flops_per_token(100) == pytest.approx(soft.flops_per_token(100) + index)
+
+
+@pytest.mark.parametrize("options,match", [({"stage": "dense"}, "stage 'dense'"), ({"topk": 0}, "topk=0"),
+                                           ({"index_rope_dim": 3}, "index_rope_dim=3"), ({"top_k": 4}, "top_k")])
+def test_bad_options_raise(options, match):
+    with pytest.raises(ValueError, match=match):
+        DSAttention(tiny_config(**options))
