@@ -1,0 +1,50 @@
+"""Derived GDN: softmax attention linearized into a gated delta rule with fixed 1/t gates.
+
+Same parameters as the softmax mixer (q_proj, k_proj, v_proj, o_proj, rotary), so a softmax checkpoint
+loads unchanged; only the core differs (model/ops/gated_delta.py, derived_gated_delta_rule):
+
+    ktil_t = k_t - mean(k_1..k_t),  vtil_t = v_t - mean(v_1..v_{t-1})
+    A_t = A_{t-1} ((1 - 1/t) I - (1/t) ktil_t ktil_t^T) + (1/t) vtil_t ktil_t^T,  o_t = A_t q_t + mean(v_1..v_t)
+
+with q, k after rotary, each scaled by d^-1/4. Option clamp_ktil (default true) rescales ktil_t to
+|ktil_t|^2 <= 2t - 1, the largest norm for which the step does not amplify the state; false runs the
+recursion exactly (large early keys then blow the state up, see tests/test_gated_delta.py).
+Decoding keeps A [B, H, d, d], the running key and value sums and t in the cache: constant memory.
+"""
+import torch
+
+from model.mixers.softmax import SoftmaxAttention
+from model.ops.gated_delta import chunk_gated_delta_flops, derived_gated_delta_rule
+from model.registry import MIXERS
+
+STATE_KEYS = ("A", "k_sum", "v_sum", "t")
+
+
+@MIXERS.register("derived_gdn")
+class DerivedGDN(SoftmaxAttention):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__(config, layer_idx)
+        opts = config.options_for_mixer("derived_gdn")
+        if set(opts) - {"clamp_ktil"}:
+            raise ValueError(f"derived_gdn: unknown options {sorted(set(opts) - {'clamp_ktil'})}; valid: clamp_ktil")
+        self.clamp_ktil = bool(opts.get("clamp_ktil", True))
+
+    def core(self, q, k, v, cache: dict | None, aux) -> torch.Tensor:
+        groups = self.num_heads // self.num_kv_heads
+        if groups > 1:  # GQA: q head h reads kv head h // groups
+            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        state = None
+        if cache is not None and "A" in cache:
+            state = {key: cache[key] for key in STATE_KEYS}
+        o, state = derived_gated_delta_rule(q, k, v, initial_state=state, output_final_state=cache is not None,
+                                            clamp_ktil=self.clamp_ktil)
+        if cache is not None:
+            cache.update({key: val.detach() if torch.is_tensor(val) else val for key, val in state.items()})
+        return o
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Projections plus the chunked gated-delta core per head (matmul FLOPs; the O(d) running
+        means are not counted)."""
+        d = self.q_proj.in_features
+        proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        return proj + self.num_heads * chunk_gated_delta_flops(self.head_dim, self.head_dim, min(64, seq_len))

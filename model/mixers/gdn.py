@@ -1,0 +1,92 @@
+"""Gated DeltaNet (the flash-linear-attention GatedDeltaNet layer).
+
+    q, k = l2norm(silu(conv(W_q x))), l2norm(silu(conv(W_k x)))   per head, x / sqrt(sum x^2 + 1e-6)
+    v = silu(conv(W_v x)),  beta = sigmoid(W_b x),  g = -exp(A_log) softplus(W_a x + dt_bias)
+    h_t = h_{t-1} exp(g_t) + k_t u_t^T, u_t = beta_t (v_t - (h_{t-1} exp(g_t))^T k_t),  o_t = h_t^T q_t / sqrt(d_k)
+    y = W_o [RMSNorm(o) * silu(W_g x)]   (per-head norm before the gate)
+
+Value heads may outnumber query/key heads (num_v_heads, GQA-style): each q/k head then serves
+num_v_heads / num_heads consecutive value heads. Decoding keeps the three conv tails and the
+recurrent state h [B, Hv, d_k, d_v] in the cache: constant memory.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from model.layers import GatedRMSNorm, ShortConv, init_A_log_, init_dt_bias_
+from model.ops.gated_delta import (chunk_gated_delta_flops, chunk_gated_delta_rule,
+                                   fused_recurrent_gated_delta_rule)
+from model.registry import MIXERS
+
+
+@MIXERS.register("gdn")
+class GatedDeltaNet(nn.Module):
+    def __init__(self, config, layer_idx: int = 0):
+        super().__init__()
+        opts = config.options_for_mixer("gdn")
+        d = config.hidden_size
+        self.layer_idx = layer_idx
+        self.num_heads = opts.get("num_heads", config.num_attention_heads)
+        self.head_dim = opts.get("head_dim", d // self.num_heads)
+        self.expand_v = opts.get("expand_v", 2)
+        self.num_v_heads = opts.get("num_v_heads", self.num_heads)
+        self.conv_size = opts.get("conv_size", 4)
+        self.chunk_size = opts.get("chunk_size", 64)
+        unknown = set(opts) - {"num_heads", "head_dim", "expand_v", "num_v_heads", "conv_size", "chunk_size"}
+        if unknown:
+            raise ValueError(f"gdn: unknown options {sorted(unknown)}; valid: num_heads, head_dim, expand_v, "
+                             "num_v_heads, conv_size, chunk_size")
+        if self.num_v_heads % self.num_heads:
+            raise ValueError(f"gdn: num_v_heads={self.num_v_heads} is not a multiple of num_heads={self.num_heads}")
+        self.head_v_dim = int(self.head_dim * self.expand_v)
+        key_dim, value_dim = self.num_heads * self.head_dim, self.num_v_heads * self.head_v_dim
+        self.q_proj = nn.Linear(d, key_dim, bias=False)
+        self.k_proj = nn.Linear(d, key_dim, bias=False)
+        self.v_proj = nn.Linear(d, value_dim, bias=False)
+        self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        self.b_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        self.g_proj = nn.Linear(d, value_dim, bias=False)
+        self.q_conv = ShortConv(key_dim, self.conv_size)
+        self.k_conv = ShortConv(key_dim, self.conv_size)
+        self.v_conv = ShortConv(value_dim, self.conv_size)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.o_norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, norm_before_gate=True)
+        self.o_proj = nn.Linear(value_dim, d, bias=False)
+        self.o_proj.is_residual_out = True
+
+    def init_parameters(self) -> None:
+        init_A_log_(self.A_log, 0.0, 16.0)
+        init_dt_bias_(self.dt_bias)
+
+    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None) -> torch.Tensor:
+        B, T, _ = x.shape
+        H, Hv, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+        q = self.q_conv(self.q_proj(x), cache, "conv_q").view(B, T, H, K)
+        k = self.k_conv(self.k_proj(x), cache, "conv_k").view(B, T, H, K)
+        v = self.v_conv(self.v_proj(x), cache, "conv_v").view(B, T, Hv, V)
+        q, k = (t.float() / torch.sqrt(t.float().pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        if Hv != H:
+            q, k = q.repeat_interleave(Hv // H, dim=2), k.repeat_interleave(Hv // H, dim=2)
+        beta = self.b_proj(x).float().sigmoid()
+        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        state = cache.get("state") if cache is not None else None
+        if cache is not None and T == 1:
+            o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                                        output_final_state=True)
+        else:
+            o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
+                                              output_final_state=cache is not None, chunk_size=self.chunk_size)
+        if cache is not None:
+            cache["state"] = state.detach()
+        o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, Hv, V))
+        return self.o_proj(o.reshape(B, T, Hv * V))
+
+    def flops_per_token(self, seq_len: int) -> float:
+        d = self.q_proj.in_features
+        key_dim, value_dim = self.num_heads * self.head_dim, self.num_v_heads * self.head_v_dim
+        proj = 2 * d * (2 * key_dim + 3 * value_dim + 2 * self.num_v_heads)  # q, k, v, g, o, a, b
+        conv = 2 * self.conv_size * (2 * key_dim + value_dim)
+        core = self.num_v_heads * chunk_gated_delta_flops(self.head_dim, self.head_v_dim,
+                                                          min(self.chunk_size, seq_len))
+        return proj + conv + core
