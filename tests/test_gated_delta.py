@@ -1,0 +1,183 @@
+"""model/ops/gated_delta.py against per-token recurrences written straight from the formulas (float64)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule,
+                                   fused_recurrent_gated_delta_rule)
+
+f64 = torch.float64
+
+
+def naive_gated_delta(q, k, v, g, beta, scale=None, h=None):
+    """h = h exp(g_t); u = beta_t (v_t - h^T k_t); h = h + k_t u^T; o_t = h^T (scale q_t)."""
+    B, T, H, K = k.shape
+    scale = K ** -0.5 if scale is None else scale
+    h = q.new_zeros(B, H, K, v.shape[-1]) if h is None else h
+    out = []
+    for t in range(T):
+        h = h * g[:, t, :, None, None].exp()
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", h, k[:, t]))
+        h = h + k[:, t, :, :, None] * u[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", h, scale * q[:, t]))
+    return torch.stack(out, 1), h
+
+
+def naive_derived(q, k, v, scale=None, clamp=False, state=None):
+    """Recursion (3), S_t = A_t in [V, K]:  ktil_t = k_t - kbar_t, vtil_t = v_t - vbar_{t-1},
+    A_t = A_{t-1} ((1 - 1/t) I - (1/t) ktil ktil^T) + (1/t) vtil ktil^T, o_t = A_t q_t + vbar_t;
+    q, k times scale^1/2 (default d^-1/4 each). clamp: ktil scaled to |ktil|^2 <= 2t - 1."""
+    B, T, H, K = k.shape
+    s = (K ** -0.5 if scale is None else scale) ** 0.5
+    q, k = q * s, k * s
+    if state is None:
+        state = (q.new_zeros(B, H, v.shape[-1], K), q.new_zeros(B, H, K), q.new_zeros(B, H, v.shape[-1]), 0)
+    A, k_sum, v_sum, t0 = state
+    eye = torch.eye(K, dtype=q.dtype)
+    out = []
+    for i in range(T):
+        t = t0 + i + 1
+        k_sum = k_sum + k[:, i]
+        ktil = k[:, i] - k_sum / t
+        if clamp:
+            n2 = ktil.pow(2).sum(-1, keepdim=True)
+            ktil = ktil * torch.where(n2 > 2 * t - 1, ((2 * t - 1) / n2).sqrt(), torch.ones_like(n2))
+        vtil = v[:, i] - (v_sum / (t - 1) if t > 1 else 0)
+        v_sum = v_sum + v[:, i]
+        A = A @ ((1 - 1 / t) * eye - ktil[..., :, None] * ktil[..., None, :] / t) \
+            + vtil[..., :, None] * ktil[..., None, :] / t
+        out.append((A @ q[:, i, ..., None])[..., 0] + v_sum / t)
+    return torch.stack(out, 1), (A, k_sum, v_sum, t0 + T)
+
+
+def make_inputs(B=2, T=37, H=3, K=8, V=6, dtype=f64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, generator=gen, dtype=dtype))
+    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    h0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
+    return q, k, v, g, beta, h0
+
+
+@pytest.mark.parametrize("with_state", [False, True])
+@pytest.mark.parametrize("chunk_size", [16, 64])
+def test_chunk_matches_recurrence(with_state, chunk_size):
+    q, k, v, g, beta, h0 = make_inputs()  # T = 37: not a multiple of the chunk
+    h0 = h0 if with_state else None
+    o_ref, h_ref = naive_gated_delta(q, k, v, g, beta, scale=0.3, h=h0)
+    o, h = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True,
+                                  chunk_size=chunk_size)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
+    o, h = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=h0, chunk_size=chunk_size)
+    assert h is None
+
+
+def test_strong_decay_is_stable():
+    # Cumulative log decay far below fp32 exp range within one chunk (-20 per step): no inf/nan.
+    q, k, v, g, beta, _ = make_inputs(T=64, dtype=torch.float32)
+    g = torch.full_like(g, -20.0)
+    o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
+    o_ref, _ = naive_gated_delta(*(x.double() for x in (q, k, v, g, beta)))
+    torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_match_recurrence():
+    inputs = [x.requires_grad_() for x in make_inputs(T=21)]
+    q, k, v, g, beta, h0 = inputs
+    gen = torch.Generator().manual_seed(1)
+    w_o, w_h = torch.randn(2, 21, 3, 6, generator=gen, dtype=f64), torch.randn(2, 3, 8, 6, generator=gen, dtype=f64)
+
+    def loss(fn, **kw):
+        o, h = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)
+        return (o * w_o).sum() + (h * w_h).sum()
+
+    ref = torch.autograd.grad(loss(lambda *a, initial_state, output_final_state: naive_gated_delta(*a, h=initial_state)),
+                              inputs)
+    got = torch.autograd.grad(loss(chunk_gated_delta_rule, chunk_size=8), inputs)
+    for name, a, b in zip("q k v g beta h0".split(), got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"grad {name}")
+
+
+def test_split_sequence_carries_state():
+    q, k, v, g, beta, h0 = make_inputs(T=50)
+    o, h = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
+    o1, h1 = chunk_gated_delta_rule(*(x[:, :19] for x in (q, k, v, g, beta)), initial_state=h0,
+                                    output_final_state=True, chunk_size=16)
+    o2, h2 = chunk_gated_delta_rule(*(x[:, 19:] for x in (q, k, v, g, beta)), initial_state=h1,
+                                    output_final_state=True, chunk_size=16)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h2, h, rtol=1e-10, atol=1e-10)
+
+
+def test_fused_recurrent_matches_chunk():
+    q, k, v, g, beta, h0 = make_inputs(T=13)
+    o, h = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=4)
+    o_r, h_r = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    torch.testing.assert_close(o_r, o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h_r, h, rtol=1e-10, atol=1e-10)
+
+
+def test_low_precision_input_accumulates_in_fp32():
+    q, k, v, g, beta, _ = make_inputs(T=40, dtype=torch.float32)
+    o32, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)
+    o16, h16 = chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, chunk_size=16,
+                                      output_final_state=True)
+    assert o16.dtype == torch.bfloat16 and h16.dtype == torch.float32
+    torch.testing.assert_close(o16.float(), o32, rtol=0.05, atol=0.05)
+
+
+@pytest.mark.parametrize("scale", [None, 1.0, 0.1])
+def test_derived_matches_recursion(scale):
+    q, k, v = (x * 2 for x in make_inputs(T=45, K=8, V=8)[:3])  # starts at t = 1
+    o_ref, (A, k_sum, v_sum, t) = naive_derived(q, k, v, scale=scale)
+    o, state = derived_gated_delta_rule(q, k, v, scale=scale, output_final_state=True)
+    torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(o[:, 0], v[:, 0])  # t = 1: A_1 = 0, o_1 = v_1
+    torch.testing.assert_close(state["A"], A.transpose(-1, -2), rtol=1e-9, atol=1e-9)
+    s = (8 ** -0.5 if scale is None else scale) ** 0.5
+    torch.testing.assert_close(state["k_sum"], (k * s).sum(1))
+    torch.testing.assert_close(state["v_sum"], v.sum(1))
+    assert state["t"] == t == 45
+
+
+def test_derived_continuation_across_split():
+    q, k, v = make_inputs(T=80, K=8, V=8)[:3]
+    o, state = derived_gated_delta_rule(q, k, v, output_final_state=True)
+    o1, s1 = derived_gated_delta_rule(q[:, :33], k[:, :33], v[:, :33], output_final_state=True)
+    o2, s2 = derived_gated_delta_rule(q[:, 33:], k[:, 33:], v[:, 33:], initial_state=s1, output_final_state=True)
+    o3, s3 = derived_gated_delta_rule(q[:, 33:34], k[:, 33:34], v[:, 33:34], initial_state=s1, output_final_state=True)
+    torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(o3, o[:, 33:34], rtol=1e-10, atol=1e-10)  # single-token decode step
+    for key in ("A", "k_sum", "v_sum"):
+        torch.testing.assert_close(s2[key], state[key], rtol=1e-10, atol=1e-10)
+    assert s2["t"] == 80 and s3["t"] == 34
+
+
+def test_derived_gradients_match_recursion():
+    inputs = [x.requires_grad_() for x in make_inputs(T=20, K=8, V=8)[:3]]
+    w = torch.randn(2, 20, 3, 8, dtype=f64)
+    ref = torch.autograd.grad((naive_derived(*inputs)[0] * w).sum(), inputs)
+    got = torch.autograd.grad((derived_gated_delta_rule(*inputs)[0] * w).sum(), inputs)
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_derived_large_keys_float32():
+    """Keys with |ktil_t|^2 > 2t - 1 give transition eigenvalues 1 - (1 + |ktil|^2)/t below -1: the exact
+    recursion amplifies the state. The float32 op still follows the float64 recursion (it is exact, the
+    growth is the formula's), until the growth leaves float32's range; clamp_ktil bounds it."""
+    q, _, v = make_inputs(T=70, H=2, K=16, V=16)[:3]
+    k = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=f64)  # |k s|^2 ~ 4 mag^2
+    for mag, clamp in [(6.0, False), (30.0, True)]:
+        o_ref, _ = naive_derived(q, k * mag, v, clamp=clamp)
+        o32, _ = derived_gated_delta_rule(q.float(), (k * mag).float(), v.float(), clamp_ktil=clamp)
+        assert (o32.double() - o_ref).norm() / o_ref.norm() < 1e-4
+        if not clamp:
+            assert o_ref.abs().max() > 1e6  # amplified by the exact recursion
+        else:
+            assert o32.abs().max() < 10 * v.abs().max()  # bounded: no step amplifies
+    o_big, _ = derived_gated_delta_rule(q.float(), (k * 30.0).float(), v.float())
+    assert not torch.isfinite(o_big).all()  # the exact recursion leaves float32's range
