@@ -54,6 +54,13 @@ def peak_memory_gb(device: torch.device) -> float:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
+    try:
+        return train(cfg)
+    except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one line, no traceback
+        sys.exit(f"error: {e}")
+
+
+def train(cfg: DictConfig) -> float:
     from accelerate import Accelerator
     from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
     from hydra.core.hydra_config import HydraConfig

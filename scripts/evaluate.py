@@ -1,0 +1,91 @@
+"""Evaluate a checkpoint: loss, perplexity and bits per byte on the val split (or a given dataset),
+a per-position loss curve (PNG), generation samples and decode tokens/s; all written to eval.json.
+
+    python scripts/evaluate.py checkpoint=outputs/<run>/final
+    python scripts/evaluate.py checkpoint=outputs/<run> data=local data.path=my_texts/ batches=50
+"""
+import json
+import math
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import hydra  # noqa: E402
+import torch  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
+
+
+@hydra.main(version_base="1.3", config_path="../configs", config_name="evaluate")
+def main(cfg: DictConfig) -> None:
+    try:
+        evaluate(cfg)
+    except (ValueError, FileNotFoundError) as e:
+        sys.exit(f"error: {e}")
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from transformers import AutoModelForCausalLM
+
+    import model  # noqa: F401  (registers the Auto classes)
+    from data import build_data
+    from training.checkpoint import weights_dir
+    from training.evaluation import evaluate_split, sample, summarize
+
+    folder = weights_dir(cfg.checkpoint)
+    train_cfg = OmegaConf.load(folder / "training_config.yaml")
+    data_cfg = cfg.data if cfg.get("data") is not None else train_cfg.data
+    seq_len = cfg.seq_len or train_cfg.trainer.seq_len
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    lm = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
+    if data_cfg.get("tokenizer") == "bpe":
+        # Reuse the checkpoint's own tokenizer, whatever data it is evaluated on.
+        data_cfg = OmegaConf.merge(data_cfg, {"tokenizer": str(folder)})
+    data = build_data(data_cfg, seq_len, cfg.seed)
+    if data.vocab_size > lm.config.vocab_size:
+        raise ValueError(f"data vocab {data.vocab_size} exceeds the model's {lm.config.vocab_size}")
+
+    r = evaluate_split(lm, data.val, cfg.batch_size, cfg.batches, device, data.bytes_per_token, per_position=True)
+    report = summarize(r["loss_sum"].item(), r["count"].item(), data.bytes_per_token)
+    report.update({f"val/{k}": v.item() if v.numel() == 1 else v.tolist() for k, v in r["aux"].items()})
+    report["val_tokens"] = int(r["count"].item())
+    report["per_position_loss"] = r["per_position"].tolist()
+    if data.extra_eval is not None:
+        report.update(data.extra_eval(lm, device))
+    if data.tokenizer is not None and cfg.sample_tokens:
+        samples = [sample(lm, data.tokenizer, cfg.prompt, cfg.sample_tokens, cfg.seed + i, device)
+                   for i in range(cfg.num_samples)]
+        report["samples"] = [s["text"] for s in samples]
+        report["decode_tokens_per_sec"] = sum(s["decode_tokens_per_sec"] for s in samples) / len(samples)
+
+    out = Path(cfg.out_dir) if cfg.out_dir else folder / "eval"
+    out.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    curve = r["per_position"]
+    ax.plot(range(2, len(curve) + 2), curve.numpy())  # position t+1 is predicted from t+1 tokens of context
+    ax.set_xscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"{folder.parent.name}/{folder.name}: val loss by position")
+    fig.tight_layout()
+    fig.savefig(out / "per_position_loss.png", dpi=120)
+    plt.close(fig)
+    tmp = out / "eval.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1))
+    tmp.replace(out / "eval.json")
+    print(f"val loss {report['val/loss']:.4f} | ppl {report['val/ppl']:.2f}"
+          + (f" | bpb {report['val/bpb']:.4f}" if "val/bpb" in report else "")
+          + (f" | decode {report['decode_tokens_per_sec']:.0f} tok/s" if "decode_tokens_per_sec" in report else ""))
+    for text in report.get("samples", []):
+        print("---\n" + text)
+    print(f"wrote {out / 'eval.json'} and {out / 'per_position_loss.png'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,43 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("WANDB_MODE", "offline")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch.set_num_threads(min(2, os.cpu_count() or 1))
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One tokenizer/token cache for the whole session (a small BPE on 40 stdlib files)."""
+    path = tmp_path_factory.mktemp("swaplm_cache")
+    os.environ["SWAPLM_CACHE"] = str(path)
+    return path
+
+
+# A tiny run: 2 layers, d=64, a 512-token BPE on 40 stdlib files, 64-token sequences.
+TINY = [
+    "logger=none", "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=4",
+    "model.num_key_value_heads=2", "model.intermediate_size=128", "data.max_documents=40", "data.vocab_size=512",
+    "trainer.seq_len=64", "trainer.batch_size=4", "trainer.max_steps=8", "trainer.warmup_steps=2",
+    "trainer.log_every=1", "trainer.eval_every=4", "trainer.eval_batches=2", "trainer.ckpt_every=4",
+    "trainer.sample_tokens=8",
+]
+
+
+def run_train(run_dir: Path, *overrides: str, launcher: list[str] | None = None, check: bool = True,
+              cache: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if cache is not None:
+        env["SWAPLM_CACHE"] = str(cache)
+    cmd = (launcher or [sys.executable]) + [str(ROOT / "train.py"), *TINY, f"run_dir={run_dir}", *overrides]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    return proc
