@@ -4,6 +4,7 @@ Builds data, model, optimizer from the Hydra config (configs/train.yaml), runs t
 Accelerate (one CPU/GPU process, or DDP/FSDP under `accelerate launch`), logs to metrics.jsonl and
 W&B, checkpoints, and exports <run_dir>/final as an HF model directory.
 """
+import json
 import math
 import os
 import resource
@@ -140,12 +141,21 @@ def train(cfg: DictConfig) -> float:
                                    "dir": str(run_dir), "mode": mode}},
         )
     metrics = MetricsWriter(accelerator, run_dir, tracker)
+    if accelerator.is_main_process:
+        (run_dir / "run_info.json").write_text(json.dumps({
+            "name": cfg.name, "params": counts, "layer_mixers": model.config.layer_mixers,
+            "layer_ffns": model.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
+            "train_flops_per_token": flops_per_token, "processes": world, "device": str(accelerator.device),
+            "data": cfg.data.name, "data_info": data.info, "group": cfg.logger.get("group")}, indent=1))
 
     step = 0
+    t_origin = t_start
     resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
     if resume_from is not None:
         accelerator.load_state(str(resume_from))
-        step = json_load(resume_from / "trainer_state.json")["step"]
+        state = json.loads((resume_from / "trainer_state.json").read_text())
+        step = state["step"]
+        t_origin -= state["elapsed"]  # time/elapsed continues from where the checkpoint left off
         accelerator.print(f"resumed from {resume_from} at step {step}")
     last_ckpt = resume_from
     tokens_per_step = tc.batch_size * tc.seq_len
@@ -216,6 +226,7 @@ def train(cfg: DictConfig) -> float:
                 "perf/tokens_per_sec": tok_s, "perf/step_time": window["time"] / n,
                 "perf/tflops": flops_per_token * tok_s / 1e12,
                 "perf/peak_mem_gb": peak_memory_gb(accelerator.device), "tokens_seen": step * tokens_per_step,
+                "time/elapsed": time.time() - t_origin,
                 **{k: v / n for k, v in window["aux"].items()},
             })
             if peak:
@@ -231,7 +242,8 @@ def train(cfg: DictConfig) -> float:
         stopping = accelerator.reduce(torch.tensor(float(stop.signal is not None), device=accelerator.device),
                                       reduction="sum").item() > 0 if world > 1 else stop.signal is not None
         if (step % tc.ckpt_every == 0 and step < tc.max_steps) or stopping:
-            last_ckpt = ckpt.save_checkpoint(accelerator, run_dir, {"step": step, "tokens_seen": step * tokens_per_step},
+            last_ckpt = ckpt.save_checkpoint(accelerator, run_dir, {"step": step, "tokens_seen": step * tokens_per_step,
+                                                                        "elapsed": time.time() - t_origin},
                                              tc.keep_checkpoints)
         if stopping:
             accelerator.print(f"\n{stop.signal or 'stop signal'}: saved {last_ckpt} at step {step}; "
@@ -256,12 +268,6 @@ def train(cfg: DictConfig) -> float:
     accelerator.wait_for_everyone()
     accelerator.end_training()
     return final_metrics["val/loss"]
-
-
-def json_load(path: Path) -> dict:
-    import json
-
-    return json.loads(Path(path).read_text())
 
 
 def export_final(model, data, cfg, run_dir: Path) -> None:
