@@ -40,8 +40,7 @@ def naive_derived(q, k, v, scale=None, clamp=False, state=None):
         k_sum = k_sum + k[:, i]
         ktil = k[:, i] - k_sum / t
         if clamp:
-            n2 = ktil.pow(2).sum(-1, keepdim=True)
-            ktil = ktil * torch.where(n2 > 2 * t - 1, ((2 * t - 1) / n2).sqrt(), torch.ones_like(n2))
+            ktil = ktil / torch.maximum(torch.ones(()), ktil.pow(2).sum(-1, keepdim=True) / (2 * t - 1)).sqrt()
         vtil = v[:, i] - (v_sum / (t - 1) if t > 1 else 0)
         v_sum = v_sum + v[:, i]
         A = A @ ((1 - 1 / t) * eye - ktil[..., :, None] * ktil[..., None, :] / t) \
@@ -156,11 +155,13 @@ def test_derived_continuation_across_split():
     assert s2["t"] == 80 and s3["t"] == 34
 
 
-def test_derived_gradients_match_recursion():
-    inputs = [x.requires_grad_() for x in make_inputs(T=20, K=8, V=8)[:3]]
+@pytest.mark.parametrize("clamp", [False, True])
+def test_derived_gradients_match_recursion(clamp):
+    q, k, v = make_inputs(T=20, K=8, V=8)[:3]
+    inputs = [x.requires_grad_() for x in (q, k * 4, v)]  # |k s|^2 ~ 5.6: the clamp acts early on
     w = torch.randn(2, 20, 3, 8, dtype=f64)
-    ref = torch.autograd.grad((naive_derived(*inputs)[0] * w).sum(), inputs)
-    got = torch.autograd.grad((derived_gated_delta_rule(*inputs)[0] * w).sum(), inputs)
+    ref = torch.autograd.grad((naive_derived(*inputs, clamp=clamp)[0] * w).sum(), inputs)
+    got = torch.autograd.grad((derived_gated_delta_rule(*inputs, clamp_ktil=clamp)[0] * w).sum(), inputs)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
 

@@ -140,8 +140,7 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     vbar = v_sum / t[..., None]
     vtil = v - (v_sum - v) / (t - 1).clamp(min=1)[..., None]  # vbar_0 = 0
     if clamp_ktil:
-        sq = ktil.pow(2).sum(-1)
-        ktil = ktil * torch.where(sq > 2 * t - 1, ((2 * t - 1) / sq).sqrt(), 1.0)[..., None]
+        ktil = ktil * (ktil.pow(2).sum(-1) / (2 * t - 1)).clamp(min=1).rsqrt()[..., None]
     first = t == 1
     g = torch.where(first, 0.0, torch.log1p(-1 / t)).expand(B, T, H)
     beta = torch.where(first, 0.0, 1 / (t - 1).clamp(min=1)).expand(B, T, H)
