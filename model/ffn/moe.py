@@ -100,13 +100,14 @@ class MoE(nn.Module):
 
     # routing -----------------------------------------------------------------------------------
     def route(self, x: torch.Tensor):
-        """x [N, d] -> router logits [N, E] (fp32), scores [N, E], top-k experts [N, k], gates [N, k]."""
+        """x [N, d] -> router logits [N, E] (fp32 or wider), scores [N, E], top-k experts [N, k], gates [N, k]."""
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least, float64 stays float64
         with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.float(), self.router.weight.float())
+            logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
         scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
         choice = scores.detach()
         if self.aux_free_bias:
-            choice = choice + self.expert_bias.float()
+            choice = choice + self.expert_bias.to(dtype)
         experts = choice.topk(self.top_k, dim=-1).indices
         gates = scores.gather(-1, experts)
         if self.norm_topk_prob:
@@ -133,7 +134,8 @@ class MoE(nn.Module):
         token = order // k
         xs = x.index_select(0, token)
         w_gu, w_d = self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype)
-        if x.is_cuda and hasattr(torch, "_grouped_mm"):
+        row_bytes = min(self.hidden_size, self.expert_size) * x.element_size()
+        if x.is_cuda and hasattr(torch, "_grouped_mm") and row_bytes % 16 == 0:  # grouped mm needs 16-byte rows
             ys = experts_grouped_mm(xs, w_gu, w_d, counts)
         else:
             ys = ExpertsLoop.apply(xs, w_gu, w_d, counts.tolist())
@@ -153,7 +155,7 @@ class MoE(nn.Module):
         """Aux losses (always) and load telemetry (training only) for this layer."""
         E, tag = self.num_experts, f"moe/layer{self.layer_idx}"
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-        frac = routed.float() / routed.sum()  # f_i, share of assignments routed to expert i
+        frac = routed.to(probs.dtype) / routed.sum()  # f_i, share of assignments routed to expert i
         balance = E * (frac * probs.mean(0)).sum()
         z = torch.logsumexp(logits, dim=-1).square().mean()
         aux.add_loss("moe/balance_loss", balance, self.balance_loss_coef)
