@@ -1,6 +1,7 @@
 """MoE FFN: the dispatched layer against a per-token loop written from the formula (float64), the
 balance and z losses by hand, router gradients, aux-free balancing (one process and 2-rank gloo),
 and a tiny DecoderLM training with MoE layers."""
+import json
 import math
 
 import pytest
@@ -305,3 +306,35 @@ def test_bad_options():
         make_moe(num_experts=4, top_k=5)
     with pytest.raises(ValueError, match="unknown moe option"):
         make_moe(num_expert=4)
+
+
+def test_autocast_bf16_runs_experts_in_bf16_and_routes_in_fp32():
+    m = randomise(make_moe(num_experts=4, top_k=2, expert_intermediate_size=8, num_shared_experts=1))
+    x = torch.randn(10, 12)
+    ref = m(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(x)
+        assert m.route(x)[0].dtype == torch.float32
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.float(), ref, rtol=5e-2, atol=5e-2)
+    y.float().sum().backward()
+    assert m.gate_up_proj.grad.dtype == torch.float32 and m.router.weight.grad.abs().sum() > 0
+
+
+def test_moe_report_plots(tmp_path):
+    from scripts.moe_report import plot_moe_load
+    from training.metrics import to_python
+
+    model = tiny_lm(["dense", "moe"])
+    data = torch.randint(0, 64, (2, 16))
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        for step in range(1, 4):
+            out = model(data, labels=data)
+            f.write(json.dumps({"step": step, **{k: to_python(v) for k, v in out.aux_metrics.items()}}) + "\n")
+    paths = plot_moe_load(tmp_path)
+    assert sorted(p.name for p in paths) == ["moe_imbalance.png", "moe_load_heatmap.png"]
+    assert all(p.stat().st_size > 1000 for p in paths)
+    empty = tmp_path / "dense_run"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 3.0}) + "\n")
+    assert plot_moe_load(empty) == [] and not list(empty.glob("*.png"))

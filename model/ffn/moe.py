@@ -133,14 +133,16 @@ class MoE(nn.Module):
             counts = routed.clamp(max=capacity)
         token = order // k
         xs = x.index_select(0, token)
-        w_gu, w_d = self.gate_up_proj.to(x.dtype), self.down_proj.to(x.dtype)
-        row_bytes = min(self.hidden_size, self.expert_size) * x.element_size()
+        # Experts run in the autocast dtype when autocast is on (as nn.Linear would), else in x's.
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        xs, w_gu, w_d = xs.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
+        row_bytes = min(self.hidden_size, self.expert_size) * xs.element_size()
         if x.is_cuda and hasattr(torch, "_grouped_mm") and row_bytes % 16 == 0:  # grouped mm needs 16-byte rows
             ys = experts_grouped_mm(xs, w_gu, w_d, counts)
         else:
             ys = ExpertsLoop.apply(xs, w_gu, w_d, counts.tolist())
         ys = ys * gates.flatten()[order].unsqueeze(-1).to(ys.dtype)
-        y = torch.zeros_like(x).index_add(0, token, ys)
+        y = ys.new_zeros(x.shape).index_add(0, token, ys)
         if self.shared is not None:
             y = y + self.shared(x)
 
