@@ -1,0 +1,76 @@
+"""Per-token training cost against sequence length, for every registered mixer.
+
+A 2-layer DecoderLM (d 256, 4 heads, vocab 512, SwiGLU, each mixer's default options) runs fwd+bwd
+at a fixed number of tokens per batch (B * T = 8192; 2048 with --quick) as T grows; the figure is
+seconds per token. A mixer whose cost per token is independent of T (the linear ones: constant state,
+chunked scan) stays flat, so t(T_max) / t(256) ~ 1 (target < 1.3); softmax attention's per-token cost
+grows with T. Mixers that fail to build or run are listed with the error. Plot: outputs/bench/scaling.png.
+"""
+from pathlib import Path
+
+import torch
+
+from model import MIXERS, DecoderLM, LMConfig
+from scripts.benchmarks.common import markdown_table, time_call
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def per_token_seconds(name: str, T: int, tokens: int, iters: int) -> float:
+    torch.manual_seed(0)
+    config = LMConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                      attention=name, max_position_embeddings=T)
+    model = DecoderLM(config).train()
+    ids = torch.randint(0, 512, (tokens // T, T))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids).loss.backward()
+
+    return time_call(step, warmup=1, iters=iters) / tokens
+
+
+def plot(results: dict, lengths: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, times in results.items():
+        ax.plot(lengths[: len(times)], [t * 1e6 for t in times], marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequence length T (tokens per batch fixed)")
+    ax.set_ylabel("fwd+bwd microseconds per token")
+    ax.set_title("2-layer d=256 model, per-token training cost")
+    ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(quick: bool) -> str:
+    lengths = [256, 512, 1024] if quick else [256, 512, 1024, 2048, 4096]
+    tokens, iters = (2048, 1) if quick else (8192, 2)
+    results, failures = {}, []
+    for name in MIXERS.names():
+        times = []
+        try:
+            for T in lengths:
+                times.append(per_token_seconds(name, T, tokens, iters))
+        except Exception as err:  # a mixer that cannot build or run at these shapes is reported, not fatal
+            failures.append(f"- `{name}` failed at T={T}: {type(err).__name__}: {str(err).splitlines()[0][:200]}")
+        if times:
+            results[name] = times
+    rows = [[name] + [f"{t * 1e6:.1f}" for t in times] + ["-"] * (len(lengths) - len(times))
+            + [f"{times[-1] / times[0]:.2f}" if len(times) == len(lengths) else "-"] for name, times in results.items()]
+    path = ROOT / "outputs" / "bench" / "scaling.png"
+    plot(results, lengths, path)
+    report = (f"fwd+bwd microseconds per token, 2-layer d 256 model, B x T = {tokens}, "
+              f"torch threads {torch.get_num_threads()}:\n\n"
+              + markdown_table(["mixer"] + [f"T={T}" for T in lengths] + [f"t({lengths[-1]})/t({lengths[0]})"], rows)
+              + f"\n\nPlot: {path.relative_to(ROOT)}")
+    if failures:
+        report += "\n\nNot measured:\n" + "\n".join(failures)
+    return report
