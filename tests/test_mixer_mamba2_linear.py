@@ -93,6 +93,8 @@ def test_linear_options():
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-4)
     with pytest.raises(ValueError, match="feature_map"):
         tiny_model("linear", linear={"feature_map": "relu"})
+    with pytest.raises(ValueError, match="chunk_size"):
+        tiny_model("linear", linear={"chunk_size": -1})
     with pytest.raises(ValueError, match="normalize"):
         tiny_model("linear", linear={"feature_map": "identity", "normalize": True})
 
@@ -100,6 +102,8 @@ def test_linear_options():
 def test_mamba2_bad_options_and_init():
     with pytest.raises(ValueError, match="state_dim"):
         tiny_model("mamba2", mamba2={"state_dim": 8})
+    with pytest.raises(ValueError, match="chunk_size"):
+        tiny_model("mamba2", mamba2={"chunk_size": 0})
     with pytest.raises(ValueError, match="n_groups"):
         tiny_model("mamba2", mamba2={"head_dim": 16, "n_groups": 3})
     mixer = tiny_model("mamba2", mamba2={"head_dim": 16, "state_size": 8, "n_groups": 2}).layers[0].mixer

@@ -31,6 +31,8 @@ class LinearAttention(SoftmaxAttention):
         opts = {**DEFAULTS, **opts}
         if opts["feature_map"] not in FEATURE_MAPS:
             raise ValueError(f"linear feature_map={opts['feature_map']!r}; valid: {', '.join(FEATURE_MAPS)}")
+        if not (isinstance(opts["chunk_size"], int) and opts["chunk_size"] > 0):
+            raise ValueError(f"linear chunk_size={opts['chunk_size']!r}; valid: a positive integer")
         if opts["normalize"] and opts["feature_map"] != "elu1":
             raise ValueError(f"linear normalize=True needs feature_map='elu1' (a positive map), got {opts['feature_map']!r}")
         self.feature_map = FEATURE_MAPS[opts["feature_map"]]

@@ -34,6 +34,9 @@ class Mamba2(nn.Module):
         if unknown:
             raise ValueError(f"unknown mamba2 option(s) {unknown}; valid: {', '.join(DEFAULTS)}")
         opts = {**DEFAULTS, **opts}
+        bad = {k: v for k, v in opts.items() if not (isinstance(v, int) and v > 0)}
+        if bad:
+            raise ValueError(f"mamba2 options must be positive integers, got {bad}")
         d = config.hidden_size
         self.d_inner = opts["expand"] * d
         self.head_dim, self.state_size, self.n_groups = opts["head_dim"], opts["state_size"], opts["n_groups"]
