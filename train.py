@@ -69,6 +69,7 @@ def train(cfg: DictConfig) -> float:
 
     from data import build_data
     from model import DecoderLM
+    from scripts.moe_report import plot_moe_load
     from training import checkpoint as ckpt
     from training.evaluation import evaluate_split, sample, summarize
     from training.metrics import MetricsWriter, perplexity, plot_loss_curves, wandb_mode
@@ -256,6 +257,7 @@ def train(cfg: DictConfig) -> float:
     if accelerator.is_main_process:
         export_final(unwrapped, data, cfg, run_dir)
         plot_loss_curves(run_dir)
+        plot_moe_load(run_dir)  # no-op without MoE layers
         lines = [f"val loss {final_metrics['val/loss']:.4f} | ppl {final_metrics['val/ppl']:.2f}"
                  + (f" | bpb {final_metrics['val/bpb']:.4f}" if "val/bpb" in final_metrics else "")]
         lines += [f"{k} {v:.4f}" for k, v in final_metrics.items() if not k.startswith(("val/loss", "val/ppl", "val/bpb"))
