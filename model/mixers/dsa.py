@@ -29,6 +29,13 @@ from model.registry import MIXERS
 STAGES = ("warmup", "sparse")
 
 
+def indexer_kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """mean over queries of KL(p || softmax(logits)) = sum_s p_s (log p_s - log_softmax(logits)_s), over
+    the last dim; -inf logits mark keys outside the candidate set (where p = 0)."""
+    log_q = logits.log_softmax(-1).masked_fill(logits == float("-inf"), 0)
+    return (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
+
+
 class KeyNorm(nn.LayerNorm):
     """LayerNorm that initialises itself (DecoderLM._init_weights only knows Linear and Embedding)."""
 
@@ -109,9 +116,7 @@ class DSAttention(SoftmaxAttention):
             p, logits = dense_attention_probs(q, k, offset), index_scores(q_i, k_i, w, offset)
         else:
             p, logits = selected_attention_probs(q, k, indices), index_scores_at(q_i, k_i, w, indices)
-        log_q = logits.log_softmax(-1).masked_fill(logits == float("-inf"), 0)  # there p = 0 too
-        kl = (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
-        aux.add_loss("dsa/indexer_kl", kl, self.indexer_loss_coef)
+        aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits), self.indexer_loss_coef)
 
     def report_recall(self, aux, q, k, indices, offset) -> None:
         """sum over the selected keys of the dense head-averaged attention probability, mean over queries."""
