@@ -9,10 +9,10 @@ SCHEDULES = {"mamba2": "mamba2", "linear": "linear", "hybrid": ["mamba2", "softm
 OPTIONS = {"mamba2": {"head_dim": 16, "state_size": 8, "chunk_size": 8}, "linear": {"chunk_size": 8}}
 
 
-def tiny_model(attention, seed=0, **options) -> DecoderLM:
+def tiny_model(attention, seed=0, kv_heads=None, **options) -> DecoderLM:
     torch.manual_seed(seed)
     config = LMConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      max_position_embeddings=128, attention=attention,
+                      num_key_value_heads=kv_heads, max_position_embeddings=128, attention=attention,
                       mixer_options={**OPTIONS, **options})
     return DecoderLM(config).eval()
 
@@ -83,14 +83,19 @@ def test_training_lowers_loss(schedule):
     assert losses[-1] < losses[0] - 0.3, losses
 
 
-def test_linear_options():
-    model = tiny_model("linear", linear={"feature_map": "identity", "normalize": False, "chunk_size": 4})
+@pytest.mark.parametrize("kv_heads,options", [(None, {"feature_map": "identity", "normalize": False, "chunk_size": 4}),
+                                               (1, {"chunk_size": 4})])
+def test_linear_options_and_gqa_decode(kv_heads, options):
+    model = tiny_model("linear", kv_heads=kv_heads, linear=options)
     ids = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
         full = model(ids).logits
         cache = DecodeCache(2)
         steps = torch.cat([model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(9)], 1)
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-4)
+
+
+def test_linear_bad_options():
     with pytest.raises(ValueError, match="feature_map"):
         tiny_model("linear", linear={"feature_map": "relu"})
     with pytest.raises(ValueError, match="chunk_size"):
