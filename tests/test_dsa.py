@@ -132,6 +132,18 @@ def test_sparse_attention_fp32_accumulation_for_bf16_inputs():
     torch.testing.assert_close(out.double(), sa.sparse_attention_reference(q, k, v, idx), atol=3e-2, rtol=3e-2)
 
 
+def test_ops_keep_fp32_under_autocast():
+    q, k, v = (x.detach().float() for x in attention_inputs())
+    q_i, k_i, w = (x.detach().float() for x in indexer_inputs())
+    idx = sa.index_topk(q_i, k_i, w, 4)
+    ref = (sa.sparse_attention(q, k, v, idx), sa.index_scores_at(q_i, k_i, w, idx), sa.index_scores(q_i, k_i, w))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = (sa.sparse_attention(q, k, v, idx), sa.index_scores_at(q_i, k_i, w, idx), sa.index_scores(q_i, k_i, w))
+    for a, r in zip(out, ref):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, r)
+
+
 def test_attention_probs_match_formula(blocks):
     q, k, _ = attention_inputs()
     idx = sa.index_topk(*indexer_inputs(), 4)

@@ -12,6 +12,8 @@ kept are O(T (H D + K)), not O(T K D). `sparse_attention_reference` is the dense
 tests check it against. Everything accumulates in fp32 (fp64 for fp64 inputs). There is no GPU kernel
 for these shapes (FlashMLA's sparse kernels are MLA-only), so CUDA tensors run this same PyTorch code.
 """
+import functools
+
 import torch
 
 _BLOCK_ELEMS = 1 << 22  # temporaries per query block, in elements (16 MiB at fp32)
@@ -19,6 +21,16 @@ _BLOCK_ELEMS = 1 << 22  # temporaries per query block, in elements (16 MiB at fp
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.promote_types(x.dtype, torch.float32)
+
+
+def _own_precision(fn):
+    """Run an op with autocast off, as a kernel would: it accumulates in fp32 whatever the input dtype
+    (autocast would otherwise round the fp32 scores and probabilities to bf16)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def _blocks(T: int, elems_per_query: int):
@@ -59,6 +71,7 @@ def causal_mask(T: int, S: int, offset: int, device) -> torch.Tensor:
 
 # ---- lightning indexer --------------------------------------------------------------------------
 
+@_own_precision
 def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """Dense causal indexer scores [B, T, S] (fp32, -inf on future keys); differentiable, O(T S H_I d_I)
     memory: the warm-up stage's indexer logits and the selection's building block."""
@@ -68,6 +81,7 @@ def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: 
     return scores.masked_fill(~causal_mask(q_i.shape[1], k_i.shape[1], offset, q_i.device), float("-inf"))
 
 
+@_own_precision
 @torch.no_grad()
 def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, offset: int = 0) -> torch.Tensor:
     """indices [B, T, min(topk, S)] of the top-k visible keys by I per query, -1 where fewer than topk
@@ -125,7 +139,7 @@ class _IndexScoresAt(torch.autograd.Function):
             _scatter_add(dk, flat, _outer_sum(ddots, qb))
         return dq.to(q_i.dtype), dk.view(k_i.shape).to(k_i.dtype), dw.to(w.dtype), None
 
-
+@_own_precision
 def index_scores_at(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """Indexer scores at the selected keys only: [B, T, K] (fp32), -inf in empty slots; differentiable
     in q_i, k_i, w; O(T K d_I) compute, O(T K) saved memory (the sparse stage's indexer logits)."""
@@ -203,14 +217,14 @@ class _SparseAttention(torch.autograd.Function):
         dv = dv.view(B, Hkv, S, Dv).transpose(1, 2).to(v.dtype)
         return dq.to(q.dtype), dk, dv, None, None
 
-
+@_own_precision
 def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                      scale: float | None = None) -> torch.Tensor:
     """Gather path: o[t, h] = sum_{s in indices[t]} softmax_s(scale q[t, h] . k[s, h']) v[s, h'] (h' the
     KV head of h), [B, T, H, Dv]; every query needs at least one selected key."""
     return _SparseAttention.apply(q, k, v, indices, q.shape[-1] ** -0.5 if scale is None else scale)
 
-
+@_own_precision
 def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                                scale: float | None = None) -> torch.Tensor:
     """Dense masked path, O(T S d): the same attention as `sparse_attention` through a [B, T, S] mask."""
@@ -228,6 +242,7 @@ def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 # ---- detached attention probabilities (indexer targets and recall) ---------------------------------
 
+@_own_precision
 @torch.no_grad()
 def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
                              scale: float | None = None) -> torch.Tensor:
@@ -247,6 +262,7 @@ def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices: torch.Te
     return p
 
 
+@_own_precision
 @torch.no_grad()
 def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
                           scale: float | None = None) -> torch.Tensor:
