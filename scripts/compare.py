@@ -1,0 +1,410 @@
+"""Compare training runs: a markdown + CSV table and PNG plots.
+
+    python scripts/compare.py RUN_OR_FOLDER [...] [--wandb ENTITY/PROJECT[/GROUP]] [--out reports/x]
+
+Inputs (any mix, from any number of sweeps):
+- a local run dir (metrics.jsonl + config.yaml, run_info.json, final/), or a folder searched for them
+  (a sweep folder, outputs/, multirun/);
+- a W&B offline run dir (wandb/offline-run-*/run-*.wandb), or a folder holding some; run dirs that
+  have metrics.jsonl are read from it, not from their own wandb/ subfolder;
+- --wandb ENTITY/PROJECT[/GROUP]: the finished runs of a W&B project (one group), via the W&B API.
+A run without val metrics, or a local run without final/, or a W&B run that did not finish, is
+skipped with a note.
+
+Writes to --out (default reports/<date>_<time>): compare.md, compare.csv and
+- val_loss_tokens.png, val_loss_time.png: val loss against tokens seen and wall-clock seconds;
+- throughput.png: training tokens/s per run (MFU in the label);
+- moe_load.png: per-expert share of routed tokens (layer x expert) at the last log, one panel per
+  MoE run (needs metrics.jsonl: W&B keeps only histograms of the loads);
+- mqar_state.png, mqar_width.png (runs with val/mqar_acc): MQAR accuracy against recurrent state
+  size (numbers held by the decode cache per sequence after seq_len tokens, summed over layers:
+  softmax K/V = 2 L T H_kv d_head, gdn/linear H K V (+ normaliser/conv buffers), mamba2 H P N
+  (+ conv)) and against d_model, one line per mixer, as in zoology.
+Parameter counts come from run_info.json or the W&B config; else the model is rebuilt from the
+config (on the meta device) and counted.
+"""
+import argparse
+import csv
+import json
+import math
+import statistics
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from scripts.moe_report import LOAD  # noqa: E402  (moe/layer<i>/load)
+from training.metrics import read_metrics  # noqa: E402
+
+COLUMNS = ["run", "attention", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",
+           "val_ppl", "val_bpb", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s", "moe_imbalance", "mqar_acc",
+           "state_size", "source"]
+
+
+@dataclass
+class Run:
+    name: str
+    source: str  # where it was read from
+    config: dict  # the resolved train.py config
+    rows: list[dict]  # metrics rows, each with "step"
+    params: dict | None = None
+    complete: bool = True
+    note: str = ""
+    summary: dict = field(default_factory=dict)
+
+
+# ---- readers ---------------------------------------------------------------------------------------
+def read_local(run_dir: Path) -> Run:
+    from omegaconf import OmegaConf
+
+    cfg_file = next((p for p in (run_dir / "config.yaml", run_dir / "final" / "training_config.yaml") if p.exists()), None)
+    config = OmegaConf.to_container(OmegaConf.load(cfg_file)) if cfg_file else {}
+    info = json.loads((run_dir / "run_info.json").read_text()) if (run_dir / "run_info.json").exists() else {}
+    run = Run(run_dir.name, str(run_dir), config, read_metrics(run_dir), info.get("params"))
+    if not (run_dir / "final").exists():
+        run.complete, run.note = False, "no final/ (unfinished or failed)"
+    return run
+
+
+WANDB_BLOCK = 32768  # the .wandb file is a LevelDB-format log of wandb Record protobufs
+
+
+def wandb_records(path: Path):
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    if data[:4] != b":W&B":
+        raise ValueError(f"{path} is not a W&B transaction log")
+    pos, buf = 7, b""  # 7-byte file header, then records: crc32 (4) length (2) type (1) payload
+    while pos + 7 <= len(data):
+        if WANDB_BLOCK - pos % WANDB_BLOCK < 7:  # a block tail too short for a header is padding
+            pos += WANDB_BLOCK - pos % WANDB_BLOCK
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+        if kind == 0:
+            continue
+        buf = chunk if kind in (1, 2) else buf + chunk  # 1 full, 2 first, 3 middle, 4 last
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            yield record
+
+
+def unflatten(items) -> dict:
+    out = {}
+    for item in items:
+        keys = list(item.nested_key) or [item.key]
+        d = out
+        for k in keys[:-1]:
+            d = d.setdefault(k, {})
+        d[keys[-1]] = json.loads(item.value_json)
+    return out
+
+
+def history_row(values: dict) -> dict:
+    """A W&B history row -> a metrics row: 'step' from _step, wall-clock from _runtime, histograms dropped."""
+    row = {k: v for k, v in values.items() if not k.startswith("_") and not isinstance(v, (dict, list))}
+    row["step"] = values.get("_step", 0)
+    if "_runtime" in values and "time/elapsed" not in row:
+        row["time/elapsed"] = values["_runtime"]
+    return row
+
+
+def read_wandb_offline(folder: Path) -> Run:
+    files = sorted(folder.glob("run-*.wandb"))
+    config, rows, exit_code, name = {}, [], None, folder.name
+    for record in wandb_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            config.update(unflatten(record.run.config.update))
+            name = record.run.display_name or record.run.run_id
+        elif kind == "config":
+            config.update(unflatten(record.config.update))
+        elif kind == "history":
+            flat = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+            rows.append(history_row({**flat, "_step": record.history.step.num}))
+        elif kind == "exit":
+            exit_code = record.exit.exit_code
+    config.pop("_wandb", None)
+    run = Run(name, str(folder), config, rows, config.pop("params", None))
+    if exit_code != 0:
+        run.complete, run.note = False, "W&B run did not finish" if exit_code is None else f"W&B exit code {exit_code}"
+    return run
+
+
+def read_wandb_api(path: str) -> list[Run]:
+    import wandb
+
+    parts = path.strip("/").split("/")
+    if len(parts) not in (2, 3):
+        raise ValueError(f"--wandb {path!r}: expected ENTITY/PROJECT or ENTITY/PROJECT/GROUP")
+    filters = {"group": parts[2]} if len(parts) == 3 else {}
+    runs = []
+    for r in wandb.Api().runs("/".join(parts[:2]), filters=filters):
+        config = {k: v for k, v in r.config.items() if not k.startswith("_")}
+        run = Run(r.name, r.url, config, [history_row(h) for h in r.scan_history()], config.pop("params", None))
+        if r.state != "finished":
+            run.complete, run.note = False, f"W&B state {r.state}"
+        runs.append(run)
+    return runs
+
+
+def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
+    """Runs under the given paths (a run dir's own wandb/ folder is not read twice)."""
+    runs, notes, seen = [], [], set()
+
+    def visit(p: Path):
+        if p.resolve() in seen:
+            return
+        seen.add(p.resolve())
+        if (p / "metrics.jsonl").exists():
+            runs.append(read_local(p))
+        elif list(p.glob("run-*.wandb")):
+            runs.append(read_wandb_offline(p))
+        elif p.is_dir():
+            for child in sorted(c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".")):
+                visit(child)
+
+    for p in paths:
+        if not p.exists():
+            notes.append(f"{p}: does not exist")
+            continue
+        before = len(runs)
+        visit(p)
+        if len(runs) == before:
+            notes.append(f"{p}: no runs found (no metrics.jsonl or run-*.wandb)")
+    return runs, notes
+
+
+# ---- per-run numbers -------------------------------------------------------------------------------
+def cfg_get(config: dict, dotted: str, default=None):
+    d = config
+    for k in dotted.split("."):
+        if not isinstance(d, dict) or k not in d:
+            return default
+        d = d[k]
+    return d
+
+
+def build_model(config: dict, meta: bool):
+    """DecoderLM of a resolved train.py config (vocab from data.vocab_size)."""
+    import torch
+    from omegaconf import OmegaConf
+
+    from model import DecoderLM
+    from training.config import lm_config
+
+    cfg = OmegaConf.create(config)
+    with torch.device("meta") if meta else torch.device("cpu"):
+        return DecoderLM(lm_config(cfg, cfg.data.vocab_size, None))
+
+
+def state_size(config: dict) -> int:
+    """Numbers in the decode cache of one sequence after trainer.seq_len tokens, summed over layers."""
+    import torch
+
+    from model.lm import DecodeCache
+
+    model = build_model(config, meta=False).eval()
+    cache = DecodeCache(model.config.num_hidden_layers)
+    with torch.no_grad():
+        model(input_ids=torch.zeros(1, config["trainer"]["seq_len"], dtype=torch.long), past_key_values=cache, use_cache=True)
+    return sum(v.numel() for layer in cache.layers for v in layer.values() if torch.is_tensor(v))
+
+
+def last(rows: list[dict], key: str):
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    return values[-1] if values else None
+
+
+def median_after_first(rows: list[dict], key: str):
+    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    values = values[1:] or values  # the first window includes warm-up
+    return statistics.median(values) if values else None
+
+
+def wall_clock(rows: list[dict]) -> list[tuple[int, float]]:
+    """(step, seconds since start) per row: time/elapsed when logged, else the cumulated perf/step_time."""
+    if any("time/elapsed" in r for r in rows):
+        return [(r["step"], r["time/elapsed"]) for r in rows if "time/elapsed" in r]
+    out, total, prev = [], 0.0, 0
+    for r in rows:
+        if "perf/step_time" in r:
+            total += r["perf/step_time"] * (r["step"] - prev)
+            prev = r["step"]
+            out.append((r["step"], total))
+    return out
+
+
+def summarize_run(run: Run) -> dict:
+    c, rows = run.config, run.rows
+    if run.params is None and c:
+        run.params = build_model(c, meta=True).parameter_counts()
+    attention = cfg_get(c, "model.attention") or cfg_get(c, "attention.name") or cfg_get(c, "arch.attention")
+    ffn = cfg_get(c, "model.ffn") or cfg_get(c, "ffn.name") or cfg_get(c, "arch.ffn")
+    clock = wall_clock(rows)
+    s = {
+        "run": run.name, "attention": "+".join(attention) if isinstance(attention, list) else attention,
+        "ffn": "+".join(ffn) if isinstance(ffn, list) else ffn, "d_model": cfg_get(c, "model.hidden_size"),
+        "layers": cfg_get(c, "model.num_hidden_layers"),
+        "params_total": (run.params or {}).get("total"), "params_active": (run.params or {}).get("active"),
+        "tokens": last(rows, "tokens_seen"), "val_loss": last(rows, "val/loss"), "val_ppl": last(rows, "val/ppl"),
+        "val_bpb": last(rows, "val/bpb"), "tokens_per_sec": median_after_first(rows, "perf/tokens_per_sec"),
+        "mfu": median_after_first(rows, "perf/mfu"),
+        "peak_mem_gb": max((r["perf/peak_mem_gb"] for r in rows if "perf/peak_mem_gb" in r), default=None),
+        "wall_s": clock[-1][1] if clock else None, "moe_imbalance": last(rows, "moe/imbalance"),
+        "mqar_acc": last(rows, "val/mqar_acc"), "state_size": None, "source": run.source,
+    }
+    if s["mqar_acc"] is not None and c:
+        s["state_size"] = state_size(c)
+        s.update({k.removeprefix("val/"): v for k, v in rows[-1].items() if k.startswith("val/mqar_acc/")})
+    return s
+
+
+# ---- outputs ---------------------------------------------------------------------------------------
+def fmt(value, key: str) -> str:
+    if value is None:
+        return "-"
+    if key.startswith("params") or key in ("tokens", "state_size"):
+        return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k" if value >= 1e4 else str(int(value))
+    if key == "mfu":
+        return f"{100 * value:.1f}%"
+    if isinstance(value, float):
+        return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(summaries: list[dict], columns: list[str]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(s.get(c), c) for c in columns) + " |" for s in summaries]
+    return "\n".join(lines)
+
+
+def plot_all(runs: list[Run], summaries: list[dict], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    written = []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        written.append(out / name)
+
+    for xkey, name, xlabel in (("tokens", "val_loss_tokens.png", "tokens seen"),
+                               ("time", "val_loss_time.png", "wall-clock (s)")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for run, s in zip(runs, summaries):
+            if xkey == "tokens":
+                pts = [(r["tokens_seen"], r["val/loss"]) for r in run.rows if "val/loss" in r and "tokens_seen" in r]
+            else:
+                clock = dict(wall_clock(run.rows))
+                pts = [(clock[r["step"]], r["val/loss"]) for r in run.rows if "val/loss" in r and r["step"] in clock]
+            if pts:
+                ax.plot(*zip(*pts), "o-", ms=3, label=s["run"])
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("val loss (nats/token)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        save(fig, name)
+
+    tput = [s for s in summaries if s["tokens_per_sec"]]
+    if tput:
+        fig, ax = plt.subplots(figsize=(max(5, 0.7 * len(tput) + 2), 4))
+        ax.bar(range(len(tput)), [s["tokens_per_sec"] for s in tput], color="tab:blue")
+        ax.set_xticks(range(len(tput)), [s["run"] + (f"\nMFU {100 * s['mfu']:.1f}%" if s["mfu"] else "") for s in tput],
+                     rotation=45, ha="right", fontsize=7)
+        ax.set_ylabel("training tokens/s")
+        save(fig, "throughput.png")
+
+    moe = [(s["run"], r) for run, s in zip(runs, summaries) for r in [next((r for r in reversed(run.rows)
+                                                                           if any(LOAD.match(k) for k in r)), None)] if r]
+    if moe:
+        fig, axes = plt.subplots(len(moe), 1, figsize=(7, 0.5 + 1.4 * len(moe)), squeeze=False)
+        for ax, (name, row) in zip(axes[:, 0], moe):
+            layers = sorted(int(m.group(1)) for k in row if (m := LOAD.match(k)))
+            grid = np.array([row[f"moe/layer{i}/load"] for i in layers], dtype=float)
+            im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0)
+            ax.set_yticks(range(len(layers)), [f"layer {i}" for i in layers], fontsize=7)
+            ax.set_title(f"{name} (step {row['step']}, uniform = {1 / grid.shape[1]:.3f})", fontsize=8)
+            fig.colorbar(im, ax=ax)
+        axes[-1, 0].set_xlabel("expert")
+        save(fig, "moe_load.png")
+
+    mqar = [s for s in summaries if s["mqar_acc"] is not None]
+    if mqar:
+        for xkey, name, xlabel in (("state_size", "mqar_state.png", "recurrent state size (numbers per sequence)"),
+                                   ("d_model", "mqar_width.png", "d_model")):
+            fig, ax = plt.subplots(figsize=(6.5, 4.5))
+            for mixer in sorted({s["attention"] for s in mqar}):
+                pts = sorted((s[xkey], s["mqar_acc"]) for s in mqar if s["attention"] == mixer and s[xkey])
+                ax.plot(*zip(*pts), "o-", label=mixer)
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel(xlabel)
+            ax.set_ylabel("MQAR accuracy (mean over slices)")
+            ax.set_ylim(0, 1.02)
+            ax.legend(fontsize=8)
+            ax.grid(alpha=0.3)
+            save(fig, name)
+    return written
+
+
+def compare(paths: list[Path], out: Path, wandb_path: str | None = None) -> dict:
+    runs, notes = discover(paths)
+    if wandb_path:
+        runs += read_wandb_api(wandb_path)
+    skipped = [r for r in runs if not r.complete or not any("val/loss" in row for row in r.rows)]
+    for r in skipped:
+        notes.append(f"skipped {r.name} ({r.source}): {r.note or 'no val metrics'}")
+    runs = [r for r in runs if r not in skipped]
+    summaries = [summarize_run(r) for r in runs]
+    out.mkdir(parents=True, exist_ok=True)
+    slice_cols = sorted({k for s in summaries for k in s if k.startswith("mqar_acc/")},
+                        key=lambda k: tuple(int(x) for x in k.split("/")[1].split("x")))
+    columns = COLUMNS[:-2] + slice_cols + COLUMNS[-2:]
+    with (out / "compare.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(summaries)
+    shown = [c for c in columns if c != "source" and any(s.get(c) is not None for s in summaries)]
+    plots = plot_all(runs, summaries, out) if runs else []
+    md = [f"# Comparison of {len(runs)} run(s)", "", markdown_table(summaries, shown) if runs else "(no complete runs)", "",
+          "params: total (active per token); tokens/s and MFU: median over training logs after the first; "
+          "val metrics at the last evaluation; wall_s: training wall-clock; state_size: decode-cache numbers "
+          "per sequence at trainer.seq_len.", ""]
+    md += [f"![{p.stem}]({p.name})" for p in plots]
+    if notes:
+        md += ["", "## Notes", *[f"- {n}" for n in notes]]
+    (out / "compare.md").write_text("\n".join(md) + "\n")
+    return {"summaries": summaries, "notes": notes, "plots": plots, "markdown": "\n".join(md)}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("paths", nargs="*", type=Path, help="run dirs, W&B offline run dirs, or folders holding them")
+    p.add_argument("--wandb", help="ENTITY/PROJECT[/GROUP]: read the runs from the W&B API")
+    p.add_argument("--out", type=Path, help="output folder (default reports/<date>_<time>)")
+    args = p.parse_args(argv)
+    if not args.paths and not args.wandb:
+        p.error("give run folders and/or --wandb ENTITY/PROJECT[/GROUP]")
+    out = args.out or ROOT / "reports" / time.strftime("%Y-%m-%d_%H-%M-%S")
+    try:
+        result = compare(args.paths, out, args.wandb)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    print(result["markdown"])
+    print(f"\nwrote {out / 'compare.md'}, {out / 'compare.csv'} and {len(result['plots'])} plot(s)")
+    return 0 if result["summaries"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Run a grid of train.py jobs one after another, each under `accelerate launch` (or plain python),
+continuing past failed jobs, then print a summary.
+
+    python scripts/sweep.py attention=softmax,mamba2,gdn,derived_gdn,dsa ffn=dense,moe experiment=compare \
+        [--accelerate-config configs/accelerate/multi_gpu.yaml] [--launcher python] [--match-params active] \
+        [--out multirun/compare] [--dry-run]
+
+Arguments are train.py overrides; `key=a,b,c` (commas outside brackets) is a sweep axis, the grid
+is their product in the order given (the first job is the reference for --match-params). Each job
+runs as its own `accelerate launch train.py <overrides> run_dir=<out>/<i>_<values>`, so a sweep is
+never run inside every rank (as `train.py -m` under `accelerate launch` would). Output: one run dir
+per job, its console log <out>/<i>_<values>.log, and <out>/sweep.json (job, overrides, status,
+seconds, final val loss), updated after every job; exit status 1 if any job failed.
+
+--match-params active|total sets model.intermediate_size of every job so that its active (or total)
+parameter count is the closest to the first job's (the FFN absorbs the mixers' differences; a MoE's
+expert width follows intermediate_size when expert_intermediate_size is null). Counts come from
+building each model on the meta device.
+"""
+import argparse
+import itertools
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+LAUNCHERS = ("accelerate", "python")
+MATCH = ("none", "active", "total")
+
+
+def split_values(value: str) -> list[str]:
+    """'a,b,[c,d]' -> ['a', 'b', '[c,d]']: commas at bracket depth 0 separate sweep values."""
+    parts, depth, current = [], 0, ""
+    for ch in value:
+        depth += ch in "[{(" or -(ch in "]})")
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    return parts + [current]
+
+
+def expand_grid(overrides: list[str]) -> list[list[str]]:
+    """['a=1,2', 'b=x', 'c=3,4'] -> [['a=1','b=x','c=3'], ['a=1','b=x','c=4'], ['a=2', ...], ...]."""
+    axes = []
+    for arg in overrides:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            raise ValueError(f"override {arg!r} is not key=value")
+        axes.append([f"{key}={v}" for v in split_values(value)])
+    return [list(job) for job in itertools.product(*axes)]
+
+
+def job_name(job: list[str], overrides: list[str]) -> str:
+    """The swept values joined by '-' (e.g. 'softmax-moe'), filesystem-safe."""
+    swept = [arg.partition("=")[2] for arg, given in zip(job, overrides) if len(split_values(given.partition("=")[2])) > 1]
+    return re.sub(r"[^A-Za-z0-9._=-]+", "_", "-".join(swept) or "job")
+
+
+def compose(overrides: list[str]):
+    """The train.py config of these overrides (hydra.* ones dropped), without running anything."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    from training.config import register_resolvers
+
+    register_resolvers()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return hydra_compose("train", [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
+
+
+def parameter_counts(cfg, intermediate_size: int | None = None) -> dict[str, int]:
+    """DecoderLM.parameter_counts() of the config, built on the meta device (no memory, no init)."""
+    import torch
+    from omegaconf import open_dict
+
+    from model import DecoderLM
+    from training.config import lm_config
+
+    if intermediate_size is not None:
+        with open_dict(cfg):
+            cfg.model.intermediate_size = intermediate_size
+    vocab = cfg.data.get("vocab_size") or 8192  # the same for every job; cancels out in the matching
+    with torch.device("meta"):
+        return DecoderLM(lm_config(cfg, vocab, None)).parameter_counts()
+
+
+def match_intermediate_size(cfg, target: int, which: str, multiple: int = 16) -> int:
+    """The multiple of `multiple` whose `which` parameter count is the closest to target (counts are
+    linear in intermediate_size up to rounding: solve from two points, then check the neighbours)."""
+    lo, hi = 4 * multiple, 64 * multiple
+    c_lo, c_hi = parameter_counts(cfg, lo)[which], parameter_counts(cfg, hi)[which]
+    guess = lo + (target - c_lo) * (hi - lo) / max(c_hi - c_lo, 1)
+    base = max(multiple, round(guess / multiple) * multiple)
+    candidates = [max(multiple, base + d * multiple) for d in (-1, 0, 1)]
+    return min(candidates, key=lambda i: abs(parameter_counts(cfg, i)[which] - target))
+
+
+def launcher_command(args) -> list[str]:
+    if args.launcher == "python":
+        return [sys.executable]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch"]  # = `accelerate launch`
+    if args.accelerate_config:
+        cmd += ["--config_file", args.accelerate_config]
+    if args.num_processes:
+        cmd += ["--num_processes", str(args.num_processes)]
+    return cmd
+
+
+def final_val_loss(run_dir: Path) -> float | None:
+    from training.metrics import read_metrics
+
+    evals = [r["val/loss"] for r in read_metrics(run_dir) if "val/loss" in r]
+    return evals[-1] if evals and (run_dir / "final").exists() else None
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("overrides", nargs="*", help="train.py overrides; key=a,b,c sweeps")
+    p.add_argument("--launcher", default="accelerate", help=f"one of {', '.join(LAUNCHERS)} (default accelerate)")
+    p.add_argument("--accelerate-config", help="accelerate launch --config_file (e.g. configs/accelerate/multi_gpu.yaml)")
+    p.add_argument("--num-processes", type=int, help="accelerate launch --num_processes")
+    p.add_argument("--match-params", default="none", help=f"one of {', '.join(MATCH)}: match model.intermediate_size to the first job")
+    p.add_argument("--out", help="sweep folder (default multirun/<date>/<time>_sweep)")
+    p.add_argument("--dry-run", action="store_true", help="print the jobs and their parameter counts, run nothing")
+    args = p.parse_args(argv)
+    if args.launcher not in LAUNCHERS:
+        sys.exit(f"error: unknown --launcher {args.launcher!r}; valid: {', '.join(LAUNCHERS)}")
+    if args.match_params not in MATCH:
+        sys.exit(f"error: unknown --match-params {args.match_params!r}; valid: {', '.join(MATCH)}")
+    if args.match_params != "none" and any(o.startswith("model.intermediate_size=") for o in args.overrides):
+        sys.exit("error: --match-params sets model.intermediate_size; do not override it too")
+    from training.config import check_group_overrides
+
+    check_group_overrides(args.overrides)
+    try:
+        grid = expand_grid(args.overrides)
+    except ValueError as e:
+        sys.exit(f"error: {e}")
+    out = Path(args.out or ROOT / "multirun" / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}_sweep").resolve()
+
+    jobs, target = [], None
+    for i, job in enumerate(grid):
+        cfg = compose(job)
+        if args.match_params != "none":
+            if target is None:
+                target = parameter_counts(cfg)[args.match_params]
+            else:
+                job = job + [f"model.intermediate_size={match_intermediate_size(cfg, target, args.match_params)}"]
+                cfg = compose(job)
+        name = f"{i}_{job_name(grid[i], args.overrides)}"
+        jobs.append({"job": i, "name": name, "overrides": job, "run_dir": str(out / name),
+                     "params": parameter_counts(cfg), "status": "pending"})
+    launcher = launcher_command(args)
+    shown = "python" if args.launcher == "python" else " ".join(["accelerate launch", *launcher[3:]])
+    print(f"sweep of {len(jobs)} job(s) -> {out}\nlauncher: {shown} train.py ...")
+    for j in jobs:
+        print(f"  {j['name']}: {' '.join(j['overrides'])} | {j['params']['total'] / 1e6:.3f}M params "
+              f"({j['params']['active'] / 1e6:.3f}M active)")
+    if args.dry_run:
+        return 0
+
+    out.mkdir(parents=True, exist_ok=True)
+    for j in jobs:
+        run_dir = Path(j["run_dir"])
+        # hydra.run.dir: Hydra's own files (.hydra/, train.log) go into the run dir on rank 0 only.
+        cmd = launcher + [str(ROOT / "train.py"), *j["overrides"], f"run_dir={run_dir}",
+                          f"hydra.run.dir=${{rank_zero_dir:{run_dir}}}"]
+        print(f"[{j['job'] + 1}/{len(jobs)}] {j['name']} ...", end=" ", flush=True)
+        t0 = time.time()
+        with open(out / f"{j['name']}.log", "w") as log:
+            try:
+                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
+            except KeyboardInterrupt:  # the job got the SIGINT too (it checkpoints); stop the sweep
+                rc = None
+        j.update(seconds=round(time.time() - t0, 1), returncode=rc, val_loss=final_val_loss(run_dir))
+        j["status"] = "ok" if rc == 0 else "interrupted" if rc is None else "failed"
+        print(f"{j['status']} in {j['seconds']:.0f}s" + (f", val loss {j['val_loss']:.4f}" if j["val_loss"] else ""))
+        if j["status"] != "ok":
+            tail = (out / f"{j['name']}.log").read_text(errors="replace").strip().splitlines()[-3:]
+            print("    " + "\n    ".join(tail))
+        (out / "sweep.json").write_text(json.dumps(jobs, indent=1))
+        if rc is None:
+            break
+
+    print(f"\n{'job':<32} {'status':<11} {'seconds':>8} {'val loss':>9}")
+    for j in jobs:
+        loss = f"{j['val_loss']:.4f}" if j.get("val_loss") else "-"
+        print(f"{j['name']:<32} {j['status']:<11} {j.get('seconds', 0):>8.0f} {loss:>9}")
+    failed = [j["name"] for j in jobs if j["status"] != "ok"]
+    print(f"{len(jobs) - len(failed)}/{len(jobs)} ok" + (f"; not ok: {', '.join(failed)}" if failed else "")
+          + f"\ncompare: python scripts/compare.py {out}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
