@@ -1,0 +1,104 @@
+"""MoE layer speed: our `moe` FFN beside transformers' Qwen2-MoE sparse block of the same shape.
+
+Both run router + top-k + routed SwiGLU experts (no shared expert) on the same weights, checked to
+agree. transformers is measured twice: its experts module standalone (`eager`: a loop over hit
+experts, the default when the block is built outside a PreTrainedModel) and with
+`grouped_mm` (what a PreTrainedModel selects by default; torch's CPU grouped-mm kernel here).
+Each case is timed in interleaved rounds (median of a few calls per round) and the best round is
+kept, so load from other processes hits all cases alike and is partly filtered out. GFLOP/s counts
+active forward+backward FLOPs (3x forward: router + k experts per token); compare it with the fp32
+matmul peak measured in the same run.
+"""
+import time
+import warnings
+
+import torch
+from transformers import Qwen2MoeConfig
+from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+
+from model.config import LMConfig
+from model.ffn.moe import MoE
+from model.layers import AuxCollector
+from scripts.benchmarks.common import markdown_table, matmul_peak_gflops, time_call
+
+
+def build(E: int, k: int, d: int, f: int):
+    ours = MoE(LMConfig(hidden_size=d, num_hidden_layers=1, ffn="moe", ffn_options={"moe": dict(
+        num_experts=E, top_k=k, expert_intermediate_size=f, norm_topk_prob=False)}))
+    ours.init_parameters()
+    torch.nn.init.normal_(ours.router.weight, std=0.02)
+    theirs = {}
+    for impl in ("eager", "grouped_mm"):
+        cfg = Qwen2MoeConfig(hidden_size=d, moe_intermediate_size=f, num_experts=E, num_experts_per_tok=k,
+                             shared_expert_intermediate_size=0, norm_topk_prob=False)
+        cfg._experts_implementation = impl
+        with warnings.catch_warnings():  # the zero-width shared expert warns at init
+            warnings.simplefilter("ignore")
+            block = Qwen2MoeSparseMoeBlock(cfg)
+        with torch.no_grad():  # same weights: theirs are stored [E, out, in]
+            block.gate.weight.copy_(ours.router.weight)
+            block.experts.gate_up_proj.copy_(ours.gate_up_proj.transpose(1, 2))
+            block.experts.down_proj.copy_(ours.down_proj.transpose(1, 2))
+        theirs[impl] = block
+    return ours, theirs
+
+
+def run(quick: bool) -> str:
+    d = f = 256
+    N = 512 if quick else 2048
+    rounds, iters = (2, 2) if quick else (5, 3)
+    peak = matmul_peak_gflops()  # measured again at the end; the best is reported
+    results = []
+    for E, k in [(8, 2), (32, 4)]:
+        torch.manual_seed(0)
+        ours, theirs = build(E, k, d, f)
+        x = torch.randn(1, N, d, requires_grad=True)
+        grad = torch.randn(1, N, d)
+        with torch.no_grad():  # same function, so the timings compare like with like
+            ref = theirs["eager"](x)
+            for y in (ours(x), theirs["grouped_mm"](x)):
+                torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-5)
+
+        def fwd_bwd(module, with_aux=False):
+            def step():
+                y = module(x, AuxCollector()) if with_aux else module(x)
+                y.backward(grad)
+            return step
+
+        def fwd(module):
+            def step():
+                with torch.no_grad():
+                    module(x)
+            return step
+
+        cases = {
+            "ours": fwd_bwd(ours),
+            "ours + aux losses/metrics": fwd_bwd(ours, with_aux=True),
+            "transformers eager": fwd_bwd(theirs["eager"]),
+            "transformers grouped_mm": fwd_bwd(theirs["grouped_mm"]),
+            "ours fwd": fwd(ours),
+            "transformers eager fwd": fwd(theirs["eager"]),
+            "transformers grouped_mm fwd": fwd(theirs["grouped_mm"]),
+        }
+        times = {name: [] for name in cases}
+        ours.train()
+        for _ in range(rounds):
+            for name, fn in cases.items():
+                times[name].append(time_call(fn, warmup=1, iters=iters))
+        best = {name: min(ts) for name, ts in times.items()}
+        flops = 3 * N * ours.flops_per_token()
+        results.append((E, k, best, flops))
+    peak = max(peak, matmul_peak_gflops())
+    rows = []
+    for E, k, best, flops in results:
+        for name in ("ours", "ours + aux losses/metrics", "transformers eager", "transformers grouped_mm"):
+            rows.append([f"E={E},k={k}", name, best[name] * 1e3, N / best[name],
+                         best["transformers eager"] / best[name], best["transformers grouped_mm"] / best[name],
+                         flops / best[name] / 1e9, flops / best[name] / 1e9 / peak,
+                         best[name + " fwd"] * 1e3 if name + " fwd" in best else ""])
+    header = ["shape", "impl", "fwd+bwd ms", "tokens/s", "speed-up vs eager", "speed-up vs grouped_mm",
+              "GFLOP/s (active)", "of matmul peak", "fwd-only ms"]
+    note = (f"{N} tokens, d={d}, expert width {f}, fp32, {torch.get_num_threads()} threads; "
+            f"fp32 matmul peak measured in this run: {peak:.0f} GFLOP/s.")
+    return note + "\n\n" + markdown_table(header, rows)
+
