@@ -116,12 +116,15 @@ def plot(errors: dict, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, axes = plt.subplots(1, len(errors), figsize=(4.5 * len(errors), 3.6), sharey=True)
     for ax, (kind, per_method) in zip(axes, errors.items()):
         for name, errs in per_method.items():
             ax.plot(SCALES, [min(e, 1e3) for e in errs], marker="o", label=name)
         ax.set(xscale="log", yscale="log", title=f"{kind} keys", xlabel="logit scale s (logits s q.k / sqrt(d))")
+        ax.set_xticks(SCALES, [f"{s:g}" for s in SCALES], minor=False)
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("||o - o_softmax|| / ||o_softmax|| (capped at 1e3)")
     axes[0].legend(fontsize=8)
@@ -174,7 +177,7 @@ def swapped(checkpoint: Path, mixer: str, layers: list[int] | None, **mixer_opti
     chosen = range(len(original)) if layers is None else layers
     schedule = [mixer if i in chosen else name for i, name in enumerate(original)]
     model, info = DecoderLM.from_pretrained(checkpoint, attention=schedule, output_loading_info=True,
-                                            mixer_options={mixer: mixer_options} if mixer_options else None)
+                                            mixer_options={mixer: mixer_options})
     if info["missing_keys"] or info["unexpected_keys"]:
         raise ValueError(f"{mixer}: checkpoint does not load cleanly: {info}")
     return model
