@@ -284,7 +284,7 @@ def test_tiny_lm_trains(ffn, options):
     assert not any("load" in k for k in model(data).aux_metrics)  # load telemetry in training only
 
 
-def test_accounting_and_checkpoint_roundtrip(tmp_path):
+def test_accounting_checkpoint_roundtrip_and_decoding(tmp_path):
     model = tiny_lm("moe", aux_free_bias=True)
     with torch.no_grad():
         model.layers[0].ffn.expert_bias.copy_(torch.tensor([0.3, -0.1, -0.1, -0.1]))
@@ -296,7 +296,12 @@ def test_accounting_and_checkpoint_roundtrip(tmp_path):
     loaded = DecoderLM.from_pretrained(tmp_path)
     torch.testing.assert_close(loaded.layers[0].ffn.expert_bias, model.layers[0].ffn.expert_bias)
     data = torch.randint(0, 64, (2, 10))
-    torch.testing.assert_close(loaded(data).logits, model(data).logits)
+    full = model(data).logits
+    torch.testing.assert_close(loaded(data).logits, full)
+    # decoding: dropless routing is per token, so prefill + one step equals the full forward
+    prefill = model(data[:, :9], use_cache=True)
+    step = model(data[:, 9:], past_key_values=prefill.past_key_values, use_cache=True)
+    torch.testing.assert_close(step.logits[:, -1], full[:, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_bad_options():
