@@ -1,15 +1,17 @@
 """Mixture-of-Experts FFN: fine-grained routed SwiGLU experts plus optional shared experts.
 
-    s_t = softmax(x_t W_r^T)  or  sigmoid(x_t W_r^T)              router scores, fp32
+    s_t = softmax(x_t W_r^T)  or  sigmoid(x_t W_r^T)              router scores, fp32 (at least)
     K_t = topk_i(s_{t,i} + b_i)                                   b: aux-free bias, selection only
     g_{t,i} = route_scale * s_{t,i} [/ sum_{j in K_t} s_{t,j}]    renormalised if norm_topk_prob
     y_t = Shared(x_t) + sum_{i in K_t} g_{t,i} E_i(x_t),  E_i(x) = (silu(x W_g,i) * x W_u,i) W_d,i
 
 Each routed expert is computed only on the tokens that selected it: the (token, slot) assignments
 are sorted by expert, the tokens gathered once into that order, each expert runs on its contiguous
-slice (torch._grouped_mm on CUDA, a loop over experts with hand-written backward on CPU), and the
-gate-weighted outputs are added back to their tokens. With k = 1 and norm_topk_prob the gate is
-always 1, so the router then learns only from the balance loss.
+slice, and the gate-weighted outputs are added back to their tokens. On CUDA the slices go through
+torch._grouped_mm (a fused kernel for bf16 on sm90+, torch's per-group loop otherwise); on CPU
+through a loop over the experts that received tokens, one autograd node with a hand-written
+backward. With k = 1 and norm_topk_prob the gate is always 1, so the router then learns only from
+the balance loss.
 
 Balancing (each switchable):
 - Switch balance loss  L_bal = E sum_i f_i P_i, f_i = share of the N k assignments routed to i,
