@@ -106,7 +106,9 @@ def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
     final state or None)."""
     K = q.shape[-1]
     scale = K**-0.5 if scale is None else scale
-    S0, z0 = (initial_state if normalize else (initial_state, None)) if initial_state is not None else (None, None)
+    S0 = z0 = None
+    if initial_state is not None:
+        S0, z0 = initial_state if normalize else (initial_state, None)
     kernel = _fla_linear_attn() if q.is_cuda else None
     if kernel is not None:
         o, S = kernel(q, k, v, scale=scale, initial_state=S0, output_final_state=output_final_state,
