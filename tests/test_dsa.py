@@ -276,10 +276,11 @@ def test_decoding_matches_full_forward():
     with torch.no_grad():
         full = model(ids).logits
         cache = DecodeCache(model.config.num_hidden_layers)
-        steps = [model(ids[:, :7], past_key_values=cache).logits, model(ids[:, 7:10], past_key_values=cache).logits]
-        steps += [model(ids[:, t : t + 1], past_key_values=cache).logits for t in range(10, 19)]
+        steps = [model(ids[:, :7], past_key_values=cache), model(ids[:, 7:10], past_key_values=cache)]
+        steps += [model(ids[:, t : t + 1], past_key_values=cache) for t in range(10, 19)]
     assert cache.layers[0]["k"].shape[1] == 19 and cache.layers[0]["index_k"].shape[1] == 19
-    torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.cat([s.logits for s in steps], 1), full, atol=1e-4, rtol=0)
+    assert not any(s.aux_metrics for s in steps)  # no indexer loss / recall while decoding
 
 
 def test_flops_per_token():

@@ -14,7 +14,7 @@ LM loss never reaches the indexer and L_I never reaches the rest. Stages (option
   sparse: attention over the top-k keys only; L_I over the selected keys. While a query sees <= topk
           keys it selects them all, so attention is exactly dense (and computed densely) there.
 In eval mode the layer also reports "dsa/topk_attention_recall": the share of the dense attention
-mass (head-averaged) that the selected keys hold.
+mass (head-averaged) that the selected keys hold. Cached decoding reports nothing.
 """
 import torch
 import torch.nn as nn
@@ -97,30 +97,31 @@ class DSAttention(SoftmaxAttention):
                 k_i = torch.cat([cache["index_k"], k_i], 1)
             cache["k"], cache["v"], cache["index_k"] = k, v, k_i
         sparse = self.stage == "sparse" and k.shape[1] > self.topk
+        report = aux is not None and cache is None  # no indexer loss or metrics while decoding
         indices = None
-        if sparse or (aux is not None and not self.training):
+        if sparse or (report and not self.training):
             indices = index_topk(q_i, k_i, w, self.topk, offset)  # [B, T, K], -1 = empty slot
         if sparse:
             o = sparse_attention(q, k, v, indices)
         else:
             o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
-        if aux is not None:
-            self.report(aux, q, k, q_i, k_i, w, indices if sparse else None, offset)
+        if report:
+            self.report(aux, q, k, q_i, k_i, w, indices if sparse else None)
             if not self.training:
-                self.report_recall(aux, q, k, indices, offset)
+                self.report_recall(aux, q, k, indices)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def report(self, aux, q, k, q_i, k_i, w, indices, offset) -> None:
+    def report(self, aux, q, k, q_i, k_i, w, indices) -> None:
         """L_I = mean_t KL(p_t || softmax(I_t)) over the selected keys (all causal keys if indices is None)."""
         if indices is None:
-            p, logits = dense_attention_probs(q, k, offset), index_scores(q_i, k_i, w, offset)
+            p, logits = dense_attention_probs(q, k), index_scores(q_i, k_i, w)
         else:
             p, logits = selected_attention_probs(q, k, indices), index_scores_at(q_i, k_i, w, indices)
         aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits), self.indexer_loss_coef)
 
-    def report_recall(self, aux, q, k, indices, offset) -> None:
+    def report_recall(self, aux, q, k, indices) -> None:
         """sum over the selected keys of the dense head-averaged attention probability, mean over queries."""
-        p = dense_attention_probs(q, k, offset).gather(-1, indices.clamp(min=0))
+        p = dense_attention_probs(q, k).gather(-1, indices.clamp(min=0))
         aux.add_metric("dsa/topk_attention_recall", (p * (indices >= 0)).sum(-1).mean())
 
     def flops_per_token(self, seq_len: int) -> float:
