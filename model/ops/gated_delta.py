@@ -80,7 +80,8 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         kb = k * beta[..., None]
         kbk, qk = kb @ kT, q @ kT
         eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
-        inv = torch.linalg.solve_triangular(kbk * gamma, eye, upper=False, unitriangular=True)  # strict lower read
+        akk, aqk = kbk * gamma, qk * gamma
+        inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)  # strict lower read
         eG = G.exp()
         u, w = inv @ (v * beta[..., None]), inv @ (kb * eG[..., None])
         kd = k * (G[..., -1:] - G).exp()[..., None]
@@ -92,20 +93,20 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             S = torch.baddbmm(S * decay_n, kd_n.transpose(-1, -2), vnews[-1])
         S_prev = torch.stack(states).view(N, B, H, K, V)  # state entering each chunk
         vnew = torch.stack(vnews).view(N, B, H, C, V)
-        o = (q * eG[..., None]) @ S_prev + (qk * gamma) @ vnew
-        ctx.save_for_backward(q, k, v, G, beta, gamma, kbk, qk, inv, u, w, S_prev, vnew)
+        o = (q * eG[..., None]) @ S_prev + aqk @ vnew
+        ctx.save_for_backward(q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew)
         return o, S
 
     @staticmethod
     def backward(ctx, do, dS_last):
-        q, k, v, G, beta, gamma, kbk, qk, inv, u, w, S_prev, vnew = ctx.saved_tensors
+        q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew = ctx.saved_tensors
         N, B, H, C, K = k.shape
         V = v.shape[-1]
         eG, ed = G.exp(), (G[..., -1:] - G).exp()
         kb, qg, kd = k * beta[..., None], q * eG[..., None], k * ed[..., None]
         # o = qg S + aqk vnew
         d_aqk = do @ vnew.transpose(-1, -2)
-        d_vnew = (qk * gamma).transpose(-1, -2) @ do
+        d_vnew = aqk.transpose(-1, -2) @ do
         dS_out = (qg.transpose(-1, -2) @ do).view(N, B * H, K, V)
         # per chunk, in reverse: vnew = u - w S,  S' = e^{G_C} S + kd^T vnew
         dS, d_nexts, d_vnew_state = dS_last, [], []  # autograd materialises unused output grads as zeros
@@ -123,9 +124,9 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         # u = inv vb, w = inv kg
         d_vb, d_kg = inv.transpose(-1, -2) @ du, inv.transpose(-1, -2) @ dw
         dA = -(d_vb @ u.transpose(-1, -2) + d_kg @ w.transpose(-1, -2)).tril(-1)
-        # A = kbk o gamma, aqk = qk o gamma, gamma = exp(G_i - G_j)
+        # akk = (kb k^T) o gamma, aqk = (q k^T) o gamma, gamma = exp(G_i - G_j)
         d_kbk, d_qk = dA * gamma, d_aqk * gamma
-        d_gamma = d_kbk * kbk + d_qk * qk
+        d_gamma = dA * akk + d_aqk * aqk  # d(G_i - G_j)
         d_kb = d_kbk @ k + d_kg * eG[..., None]
         d_qg = do @ S_prev.transpose(-1, -2)
         dq = d_qk @ k + d_qg * eG[..., None]
