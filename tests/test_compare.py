@@ -1,0 +1,181 @@
+"""Sweeps (Hydra -m and scripts/sweep.py) and scripts/compare.py on fixture runs (local run dirs and
+a real offline W&B run)."""
+import csv
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from conftest import ROOT, TINY
+from scripts import compare, sweep
+from training.metrics import read_metrics
+
+
+# ---- sweeps ----------------------------------------------------------------------------------------
+def test_expand_grid_and_names():
+    overrides = ["attention=softmax,gdn", "trainer.lr=1e-3", "model.attention=[gdn,softmax],[softmax,gdn]"]
+    grid = sweep.expand_grid(overrides)
+    assert grid == [
+        ["attention=softmax", "trainer.lr=1e-3", "model.attention=[gdn,softmax]"],
+        ["attention=softmax", "trainer.lr=1e-3", "model.attention=[softmax,gdn]"],
+        ["attention=gdn", "trainer.lr=1e-3", "model.attention=[gdn,softmax]"],
+        ["attention=gdn", "trainer.lr=1e-3", "model.attention=[softmax,gdn]"],
+    ]
+    assert sweep.job_name(grid[1], overrides) == "softmax-_softmax_gdn_"
+    with pytest.raises(ValueError, match="not key=value"):
+        sweep.expand_grid(["attention"])
+
+
+def test_match_params_equalises_active_counts():
+    """Each job's model.intermediate_size is chosen so its active params are the closest to job 0's."""
+    base = ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_key_value_heads=4", "data.vocab_size=512"]
+    target = sweep.parameter_counts(sweep.compose(base + ["attention=softmax"]))["active"]
+    for arch in (["attention=gdn"], ["attention=mamba2"], ["attention=softmax", "ffn=moe"]):
+        cfg = sweep.compose(base + arch)
+        size = sweep.match_intermediate_size(cfg, target, "active")
+        counts = [sweep.parameter_counts(sweep.compose(base + arch), i)["active"] for i in (size - 16, size, size + 16)]
+        assert abs(counts[1] - target) <= min(abs(c - target) for c in counts), (arch, size, counts, target)
+        assert abs(counts[1] - target) / target < 0.02
+
+
+def test_hydra_multirun_writes_every_job(tmp_path, data_cache):
+    """python train.py -m attention=softmax,gdn: two jobs, same data/seed/tokens, two complete runs."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TINY, "trainer.max_steps=4",
+                           "attention=softmax,gdn", f"hydra.sweep.dir={tmp_path}"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    runs = sorted(p for p in tmp_path.iterdir() if (p / "metrics.jsonl").exists())
+    assert [p.name for p in runs] == ["0_softmax-dense-tiny", "1_gdn-dense-tiny"]
+    configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in runs]
+    assert configs[0]["trainer"] == configs[1]["trainer"] and configs[0]["seed"] == configs[1]["seed"]
+    assert configs[0]["data"] == configs[1]["data"]
+    for p in runs:
+        assert (p / "final" / "model.safetensors").exists()
+        assert read_metrics(p)[-1]["tokens_seen"] == 4 * 4 * 64
+
+
+def test_sweep_continues_past_a_failed_job(tmp_path, data_cache, capsys):
+    """sweep.py: job 1 fails (batch 4 does not split into 3 accumulation steps), job 0 still completes;
+    the summary names the failure and the exit status is 1."""
+    out = tmp_path / "sweep"
+    rc = sweep.main([*TINY, "trainer.max_steps=4", "trainer.grad_accum=1,3", "--launcher", "python", "--out", str(out)])
+    text = capsys.readouterr().out
+    assert rc == 1
+    jobs = json.loads((out / "sweep.json").read_text())
+    assert [(j["name"], j["status"]) for j in jobs] == [("0_1", "ok"), ("1_3", "failed")]
+    assert jobs[0]["val_loss"] > 0 and (out / "0_1" / "final").exists() and not (out / "1_3" / "final").exists()
+    assert "is not divisible" in (out / "1_3.log").read_text()
+    assert "1/2 ok; not ok: 1_3" in text and "compare: python scripts/compare.py" in text
+
+
+def test_sweep_launcher_commands():
+    args = type("A", (), {"launcher": "accelerate", "accelerate_config": "configs/accelerate/multi_gpu.yaml",
+                          "num_processes": 4})()
+    assert sweep.launcher_command(args)[1:] == ["-m", "accelerate.commands.launch", "--config_file",
+                                                "configs/accelerate/multi_gpu.yaml", "--num_processes", "4"]
+    args.launcher = "python"
+    assert sweep.launcher_command(args) == [sys.executable]
+
+
+# ---- compare ---------------------------------------------------------------------------------------
+def tiny_config(*overrides) -> dict:
+    cfg = sweep.compose(["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+                         "model.num_key_value_heads=2", "model.intermediate_size=64", "data.vocab_size=64",
+                         "trainer.seq_len=32", *overrides])
+    return OmegaConf.to_container(cfg, resolve=True)
+
+
+def write_run(folder, config, rows, params=None, final=True):
+    folder.mkdir(parents=True)
+    (folder / "config.yaml").write_text(yaml.safe_dump(config))
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    if params:
+        (folder / "run_info.json").write_text(json.dumps({"params": params}))
+    if final:
+        (folder / "final").mkdir()
+
+
+def train_rows(tok_s, losses, elapsed=True, extra=None):
+    rows = []
+    for i, loss in enumerate(losses, 1):
+        row = {"step": 10 * i, "train/loss": loss + 0.1, "perf/tokens_per_sec": tok_s[i - 1], "perf/step_time": 0.5,
+               "perf/mfu": 0.01 * i, "perf/peak_mem_gb": 0.1 * i, "tokens_seen": 10 * i * 256,
+               "val/loss": loss, "val/ppl": 2.718281828 ** loss, **(extra or {})}
+        if elapsed:
+            row["time/elapsed"] = 7.0 * i
+        rows.append(row)
+    return rows
+
+
+@pytest.fixture(scope="module")
+def offline_wandb_run(tmp_path_factory):
+    """A real offline W&B run (what train.py logger=wandb writes under <run_dir>/wandb/)."""
+    import wandb
+
+    folder = tmp_path_factory.mktemp("wandb")
+    config = tiny_config("attention=mamba2")
+    run = wandb.init(mode="offline", dir=str(folder), project="p", group="g", name="wb-mamba2",
+                     config={**config, "params": {"total": 1234, "active": 1000}})
+    for i, loss in enumerate([3.0, 2.5, 2.25], 1):
+        run.log({"train/loss": loss, "val/loss": loss, "tokens_seen": 100 * i, "perf/tokens_per_sec": 50.0 * i,
+                 "moe/layer0/load": wandb.Histogram([0.5, 0.5])}, step=5 * i)
+    run.finish()
+    return next(folder.glob("wandb/offline-run-*"))
+
+
+def test_compare_table_and_plots(tmp_path, offline_wandb_run):
+    runs = tmp_path / "runs"
+    write_run(runs / "a_softmax", tiny_config(), train_rows([100, 200, 300, 400], [4.0, 3.5, 3.0, 2.5]),
+              params={"total": 5000, "active": 5000})
+    moe_extra = {"moe/imbalance": 1.5, "moe/layer0/load": [0.5, 0.25, 0.25, 0.0], "moe/layer1/load": [0.25] * 4}
+    write_run(runs / "b_gdn_moe", tiny_config("attention=gdn", "ffn=moe", "ffn.options.num_experts=4"),
+              train_rows([50, 60, 70], [4.0, 3.8, 3.6], elapsed=False, extra=moe_extra))  # no run_info: rebuilt
+    write_run(runs / "c_unfinished", tiny_config(), train_rows([1], [5.0]), final=False)
+    mqar = [{**r, "val/mqar_acc": 0.5, "val/mqar_acc/32x4": 0.75, "val/mqar_acc/32x8": 0.25}
+            for r in train_rows([10, 10], [1.0, 0.5])]
+    write_run(runs / "d_mqar", tiny_config("experiment=mqar", "trainer.seq_len=32", "data.vocab_size=64"), mqar)
+    # offline W&B run inside a run dir with metrics.jsonl is not read twice
+    (runs / "a_softmax" / "wandb").symlink_to(offline_wandb_run.parent)
+
+    out = tmp_path / "report"
+    result = compare.compare([runs, offline_wandb_run], out)
+    rows = {r["run"]: r for r in csv.DictReader((out / "compare.csv").open())}
+    assert set(rows) == {"a_softmax", "b_gdn_moe", "d_mqar", "wb-mamba2"}
+    a, b, d, w = rows["a_softmax"], rows["b_gdn_moe"], rows["d_mqar"], rows["wb-mamba2"]
+    assert float(a["val_loss"]) == 2.5 and int(a["tokens"]) == 40 * 256 and int(a["params_total"]) == 5000
+    assert float(a["tokens_per_sec"]) == 300  # median of the logs after the first
+    assert float(a["peak_mem_gb"]) == pytest.approx(0.4) and float(a["wall_s"]) == 28.0
+    assert float(b["wall_s"]) == 15.0  # no time/elapsed: cumulated step_time x steps
+    assert (b["attention"], b["ffn"], float(b["moe_imbalance"])) == ("gdn", "moe", 1.5)
+    from model import DecoderLM
+    from training.config import lm_config
+    built = DecoderLM(lm_config(OmegaConf.create(tiny_config("attention=gdn", "ffn=moe", "ffn.options.num_experts=4")),
+                                64, None)).parameter_counts()
+    assert (int(b["params_total"]), int(b["params_active"])) == (built["total"], built["active"])
+    assert built["total"] > built["active"]
+    # MQAR: softmax state = K and V of every layer at trainer.seq_len = 2 layers x 2 x 32 x d_model 32
+    assert float(d["mqar_acc"]) == 0.5 and float(d["mqar_acc/32x4"]) == 0.75 and int(d["state_size"]) == 2 * 2 * 32 * 32
+    assert float(w["val_loss"]) == 2.25 and int(w["tokens"]) == 300 and int(w["params_active"]) == 1000
+    assert w["attention"] == "mamba2" and float(w["wall_s"]) > 0
+    md = (out / "compare.md").read_text()
+    assert "skipped c_unfinished" in md and "no final/" in md and "| a_softmax | softmax | dense |" in md
+    for png in ("val_loss_tokens", "val_loss_time", "throughput", "moe_load", "mqar_state", "mqar_width"):
+        assert (out / f"{png}.png").stat().st_size > 1000, png
+    assert len(result["summaries"]) == 4
+
+
+def test_compare_cli_reads_a_train_run(tmp_path, data_cache):
+    """End to end: a tiny train.py run with logger=wandb (offline) -> compare.py CLI -> table."""
+    from conftest import run_train
+
+    run = tmp_path / "run"
+    run_train(run, "logger=wandb", "logger.mode=offline", "trainer.max_steps=4", cache=data_cache)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), str(tmp_path), "--out", str(tmp_path / "r")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = list(csv.DictReader((tmp_path / "r" / "compare.csv").open()))
+    assert len(rows) == 1 and rows[0]["run"] == "run"  # its wandb/ folder is not a second run
+    assert float(rows[0]["val_loss"]) == pytest.approx(read_metrics(run)[-1]["val/loss"])
