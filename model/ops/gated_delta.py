@@ -213,8 +213,9 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
 
 
 def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, chunk_size: int = 64) -> float:
-    """Forward FLOPs per token per head of chunk_gated_delta_rule (2 per multiply-add): k k^T and q k^T
-    (C K each), the triangular solve (C (K + V) / 2), kd^T w and kd^T u (K^2 + K V), the state
-    recursion (K^2 V / C), w S and q S (2 K V), and the intra-chunk product (C V)."""
+    """Forward FLOPs per token per head of chunk_gated_delta_rule as implemented (2 per multiply-add):
+    k k^T and q k^T (C K each), the unit-triangular inverse (C^2 / 6), [u | w] = inv [beta v | beta k e^G]
+    (C (K + V)), w S and kd^T vnew in the state recursion (2 K V), q S (K V) and the intra-chunk
+    product (C V)."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
-    return 2.0 * (2 * C * K + C * (K + V) / 2 + K * K + 3 * K * V + K * K * V / C + C * V)
+    return 2.0 * (2 * C * K + C * C / 6 + C * (K + V) + 3 * K * V + C * V)
