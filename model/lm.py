@@ -97,7 +97,7 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def _init_weights(self, module: nn.Module) -> None:
-        """N(0, initializer_range) for linears and embeddings; residual-output projections scaled by
+        """N(0, initializer_range) for linears and embeddings, LayerNorm to identity; residual-output projections scaled by
         1/sqrt(2 L) (GPT-2); modules with special parameters init themselves (`init_parameters`)."""
         std = self.config.initializer_range
         if isinstance(module, nn.Linear):
@@ -107,6 +107,9 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
                 init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
         elif hasattr(module, "init_parameters"):
             module.init_parameters()
 

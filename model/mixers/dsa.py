@@ -18,7 +18,6 @@ mass (head-averaged) that the selected keys hold. Cached decoding reports nothin
 """
 import torch
 import torch.nn as nn
-from transformers import initialization as init
 
 from model.layers import RotaryEmbedding
 from model.mixers.softmax import SoftmaxAttention, attend
@@ -36,14 +35,6 @@ def indexer_kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
     return (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
 
 
-class KeyNorm(nn.LayerNorm):
-    """LayerNorm that initialises itself (DecoderLM._init_weights only knows Linear and Embedding)."""
-
-    def init_parameters(self) -> None:
-        init.ones_(self.weight)
-        init.zeros_(self.bias)
-
-
 class LightningIndexer(nn.Module):
     """q_i [B, T, H_I, d_I] (scaled by d_I^-1/2), k_i [B, T, d_I], w [B, T, H_I] (scaled by H_I^-1/2)."""
 
@@ -52,7 +43,7 @@ class LightningIndexer(nn.Module):
         self.heads, self.head_dim = heads, head_dim
         self.q_proj = nn.Linear(hidden_size, heads * head_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, head_dim, bias=False)
-        self.k_norm = KeyNorm(head_dim)
+        self.k_norm = nn.LayerNorm(head_dim)
         self.w_proj = nn.Linear(hidden_size, heads, bias=False)
         self.rotary = RotaryEmbedding(rope_dim, rope_theta)  # on the first rope_dim channels only
 
