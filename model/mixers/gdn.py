@@ -65,7 +65,7 @@ class GatedDeltaNet(nn.Module):
         q = self.q_conv(self.q_proj(x), cache, "conv_q").view(B, T, H, K)
         k = self.k_conv(self.k_proj(x), cache, "conv_k").view(B, T, H, K)
         v = self.v_conv(self.v_proj(x), cache, "conv_v").view(B, T, Hv, V)
-        q, k = (t.float() / torch.sqrt(t.float().pow(2).sum(-1, keepdim=True) + 1e-6) for t in (q, k))
+        q, k = ((t.float() / torch.sqrt(t.float().pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype) for t in (q, k))
         if Hv != H:
             q, k = q.repeat_interleave(Hv // H, dim=2), k.repeat_interleave(Hv // H, dim=2)
         beta = self.b_proj(x).float().sigmoid()
