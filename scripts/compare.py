@@ -262,7 +262,8 @@ def summarize_run(run: Run) -> dict:
     }
     if s["mqar_acc"] is not None and c:
         s["state_size"] = state_size(c)
-        s.update({k.removeprefix("val/"): v for k, v in rows[-1].items() if k.startswith("val/mqar_acc/")})
+        final = next(r for r in reversed(rows) if "val/mqar_acc" in r)
+        s.update({k.removeprefix("val/"): v for k, v in final.items() if k.startswith("val/mqar_acc/")})
     return s
 
 

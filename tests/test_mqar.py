@@ -115,6 +115,8 @@ def test_softmax_learns_tiny_mqar():
     from model import DecoderLM, LMConfig
 
     torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a d=64 model is faster on one thread, and much faster on a busy machine
     data = build_mqar(mqar_cfg(vocab=32, train=((16, 2, 4000),), test=((16, 2, 200),)), 16, 0)
     model = DecoderLM(LMConfig(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                                max_position_embeddings=16))
@@ -126,5 +128,6 @@ def test_softmax_learns_tiny_mqar():
         opt.step()
         opt.zero_grad()
     after = data.extra_eval(model, "cpu")
+    torch.set_num_threads(threads)
     assert before < 0.2 and after["val/mqar_acc"] > 0.75, (before, after)
     assert set(after) == {"val/mqar_acc", "val/mqar_acc/16x2"}

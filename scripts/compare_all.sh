@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One command: every attention kind x both FFNs on the embedded corpus (experiment=compare, active
+# parameters matched), every attention kind x MQAR widths (experiment=mqar), then both reports.
+#   scripts/compare_all.sh [OUT]        (default multirun/compare_all/<date>_<time>)
+# Open OUT/report_corpus/compare.md and OUT/report_mqar/compare.md (tables + PNGs next to them).
+# Environment (defaults in brackets):
+#   ATTENTION [softmax,mamba2,gdn,derived_gdn,linear,dsa]   FFN [dense,moe]   (corpus grid)
+#   MQAR_FFN [dense]   WIDTHS [64,128]                                        (MQAR grid: ATTENTION x WIDTHS)
+#   LAUNCHER [accelerate with a GPU, else python]   ACCELERATE_CONFIG [accelerate's default]
+#   CORPUS_ARGS, MQAR_ARGS: extra train.py overrides, e.g. CORPUS_ARGS="trainer.max_steps=60 logger=none"
+# A failed job does not stop anything; the exit status is 1 if any job failed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-multirun/compare_all/$(date +%Y-%m-%d_%H-%M-%S)}
+ATTENTION=${ATTENTION:-softmax,mamba2,gdn,derived_gdn,linear,dsa}
+FFN=${FFN:-dense,moe}
+MQAR_FFN=${MQAR_FFN:-dense}
+WIDTHS=${WIDTHS:-64,128}
+if [ -z "${LAUNCHER:-}" ]; then
+  LAUNCHER=$(python -c "import torch; print('accelerate' if torch.cuda.is_available() else 'python')")
+fi
+LAUNCH=(--launcher "$LAUNCHER")
+[ -n "${ACCELERATE_CONFIG:-}" ] && LAUNCH+=(--accelerate-config "$ACCELERATE_CONFIG")
+start=$(date +%s)
+status=0
+# shellcheck disable=SC2086  # *_ARGS are word-split on purpose
+python scripts/sweep.py experiment=compare attention="$ATTENTION" ffn="$FFN" ${CORPUS_ARGS:-} \
+  --match-params active "${LAUNCH[@]}" --out "$OUT/corpus" || status=1
+# shellcheck disable=SC2086
+python scripts/sweep.py experiment=mqar attention="$ATTENTION" ffn="$MQAR_FFN" model.hidden_size="$WIDTHS" ${MQAR_ARGS:-} \
+  "${LAUNCH[@]}" --out "$OUT/mqar" || status=1
+python scripts/compare.py "$OUT/corpus" --out "$OUT/report_corpus" > /dev/null || status=1
+python scripts/compare.py "$OUT/mqar" --out "$OUT/report_mqar" > /dev/null || status=1
+echo "reports: $OUT/report_corpus/compare.md and $OUT/report_mqar/compare.md ($(( $(date +%s) - start ))s in all)"
+exit $status
