@@ -7,7 +7,8 @@ experts, the default when the block is built outside a PreTrainedModel) and with
 Each case is timed in interleaved rounds (median of a few calls per round) and the best round is
 kept, so load from other processes hits all cases alike and is partly filtered out. GFLOP/s counts
 active forward+backward FLOPs (3x forward: router + k experts per token); compare it with the fp32
-matmul peak measured in the same run.
+matmul peak measured in the same run. A second table gives fwd+bwd CPU time on one thread
+(time.process_time), which other processes on the machine barely disturb.
 """
 import time
 import warnings
@@ -20,6 +21,20 @@ from model.config import LMConfig
 from model.ffn.moe import MoE
 from model.layers import AuxCollector
 from scripts.benchmarks.common import markdown_table, matmul_peak_gflops, time_call
+
+
+FWD_BWD = ("ours", "ours + aux losses/metrics", "transformers eager", "transformers grouped_mm")
+
+
+def cpu_time(fn, iters: int) -> float:
+    """Median CPU seconds (process time) of fn() over `iters` calls after one warm-up call."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return sorted(times)[len(times) // 2]
 
 
 def build(E: int, k: int, d: int, f: int):
@@ -48,7 +63,7 @@ def run(quick: bool) -> str:
     N = 512 if quick else 2048
     rounds, iters = (2, 2) if quick else (3, 3)
     peak = matmul_peak_gflops()  # measured again at the end; the best is reported
-    results = []
+    results, cpu_rows = [], []
     for E, k in [(8, 2), (32, 4)]:
         torch.manual_seed(0)
         ours, theirs = build(E, k, d, f)
@@ -88,10 +103,20 @@ def run(quick: bool) -> str:
         best = {name: min(ts) for name, ts in times.items()}
         flops = 3 * N * ours.flops_per_token()
         results.append((E, k, best, flops))
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        cpu = {name: [] for name in FWD_BWD}
+        for _ in range(rounds):
+            for name in FWD_BWD:
+                cpu[name].append(cpu_time(cases[name], iters))
+        cpu = {name: min(ts) for name, ts in cpu.items()}
+        torch.set_num_threads(threads)
+        cpu_rows.append([f"E={E},k={k}", *(cpu[name] * 1e3 for name in FWD_BWD),
+                         cpu["transformers eager"] / cpu["ours"], cpu["transformers grouped_mm"] / cpu["ours"]])
     peak = max(peak, matmul_peak_gflops())
     rows = []
     for E, k, best, flops in results:
-        for name in ("ours", "ours + aux losses/metrics", "transformers eager", "transformers grouped_mm"):
+        for name in FWD_BWD:
             rows.append([f"E={E},k={k}", name, best[name] * 1e3, N / best[name],
                          best["transformers eager"] / best[name], best["transformers grouped_mm"] / best[name],
                          flops / best[name] / 1e9, flops / best[name] / 1e9 / peak,
@@ -100,5 +125,7 @@ def run(quick: bool) -> str:
               "GFLOP/s (active)", "of matmul peak", "fwd-only ms"]
     note = (f"{N} tokens, d={d}, expert width {f}, fp32, {torch.get_num_threads()} threads; "
             f"fp32 matmul peak measured in this run: {peak:.0f} GFLOP/s.")
-    return note + "\n\n" + markdown_table(header, rows)
+    cpu_header = ["shape", *(f"{name} CPU ms" for name in FWD_BWD), "speed-up vs eager", "speed-up vs grouped_mm"]
+    return (note + "\n\n" + markdown_table(header, rows) + "\n\nfwd+bwd CPU time, 1 thread (best of "
+            f"{rounds} rounds of median of {iters}):\n\n" + markdown_table(cpu_header, cpu_rows))
 
