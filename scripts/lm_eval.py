@@ -57,6 +57,8 @@ def evaluate(checkpoint, tasks: list[str], include_path: str | None = None, limi
 
 
 def main(argv=None) -> int:
+    import torch
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("checkpoint", help="HF model dir or run dir (its final/)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
@@ -64,7 +66,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=float, help="examples per task (or a fraction if < 1)")
     p.add_argument("--num-fewshot", type=int)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="cuda" if __import__("torch").cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--out", type=Path, help="write the results as JSON here")
     args = p.parse_args(argv)
     try:
