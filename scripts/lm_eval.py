@@ -47,7 +47,10 @@ def evaluate(checkpoint, tasks: list[str], include_path: str | None = None, limi
     lm, tokenizer = load(checkpoint, device)
     wrapped = HFLM(pretrained=lm, tokenizer=tokenizer, batch_size=batch_size, device=device,
                    max_length=lm.config.max_position_embeddings)
-    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    # Indexing the ~10k built-in task YAMLs takes a while: skip it when --include-path has every task.
+    manager = TaskManager(include_path=include_path, include_defaults=False) if include_path else None
+    if manager is None or any(t not in manager.all_tasks for t in tasks):
+        manager = TaskManager(include_path=include_path)
     missing = [t for t in tasks if t not in manager.all_tasks]
     if missing:
         raise ValueError(f"unknown lm-eval task(s) {missing}; list them with `lm-eval ls tasks`"

@@ -97,11 +97,9 @@ def test_lm_eval_on_local_task(checkpoint, task_dir, tmp_path, capsys):
     assert "tiny_choice" in capsys.readouterr().out
 
 
-def test_unknown_task_and_tokenizerless_checkpoint_fail_clearly(checkpoint, task_dir, tmp_path):
+def test_tokenizerless_checkpoint_fails_clearly(checkpoint, task_dir, tmp_path):
     from scripts import lm_eval as script
 
-    with pytest.raises(SystemExit, match="unknown lm-eval task"):
-        script.main([str(checkpoint), "--tasks", "no_such_task", "--include-path", str(task_dir)])
     bare = tmp_path / "bare"
     bare.mkdir()
     for f in ("config.json", "model.safetensors"):
