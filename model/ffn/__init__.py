@@ -1,6 +1,6 @@
 """Feed-forward blocks. Interface: `ffn = FFNClass(config, layer_idx)`; `y = ffn(x [B, T, D], aux=None)`.
 MoE reports its aux losses and load statistics through `aux` (an AuxCollector). Each FFN defines
-`flops_per_token()` (active forward FLOPs) and `active_parameters()` when it differs from the total."""
+`flops_per_token()` (active forward FLOPs) and `inactive_parameters()` when not all parameters are active."""
 import importlib
 import pkgutil
 
