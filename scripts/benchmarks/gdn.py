@@ -11,8 +11,12 @@ Model: fwd+bwd+AdamW tokens/s, batch 8 x 256, vocab 512, d 256, 4 layers, 4 q/k 
 heads of 128 (expand_v 2), conv 4, SwiGLU FFN 704, tied embeddings:
   - ours: DecoderLM attention=gdn;
   - transformers Qwen3NextForCausalLM, every layer linear_attention, dense MLP (num_experts 0).
-Timings are interleaved rounds, median; GFLOP/s against the fp32 matmul peak of the same run.
+Timings are interleaved rounds, median; GFLOP/s against the fp32 matmul peak of the same run. A second
+speed column is CPU time on one thread (time.thread_time, best of interleaved rounds), which other
+processes' load barely moves.
 """
+import time
+
 import torch
 import torch.nn.functional as F
 from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
@@ -36,6 +40,24 @@ def interleaved(fns: dict, rounds: int, iters: int) -> dict:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def cpu_interleaved(fns: dict, rounds: int) -> dict:
+    """Best over rounds of each fn's one-thread CPU seconds (after one warm-up call), in turns."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in fns.values():
+            fn()
+        times = {name: [] for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t0 = time.thread_time()
+                fn()
+                times[name].append(time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return {name: min(t) for name, t in times.items()}
+
+
 def op_report(shapes: list[tuple], rounds: int, iters: int, peak: float) -> str:
     rows = []
     for Bsz, T, H, K in shapes:
@@ -49,14 +71,17 @@ def op_report(shapes: list[tuple], rounds: int, iters: int, peak: float) -> str:
                "transformers": lambda: HF_CHUNK(*args, chunk_size=CHUNK)[0]}
         with torch.no_grad():
             err = (fns["ours"]() - fns["transformers"]()).abs().max().item()
-        timed = interleaved({name: (lambda fn=fn: fn().sum().backward()) for name, fn in fns.items()}, rounds, iters)
+        steps = {name: (lambda fn=fn: fn().sum().backward()) for name, fn in fns.items()}
+        timed = interleaved(steps, rounds, iters)
+        cpu = cpu_interleaved(steps, rounds)
         flops = 3 * H * chunk_gated_delta_flops(K, K, CHUNK) * Bsz * T
         for name, t in timed.items():
             rows.append([f"B {Bsz} x T {T}, H {H}, K=V {K}", name, f"{t * 1e3:.1f}", f"{flops / t / 1e9:.1f}",
-                         f"{flops / t / 1e9 / peak:.1%}", f"{timed['transformers'] / t:.2f}x", f"{err:.1e}"])
+                         f"{flops / t / 1e9 / peak:.1%}", f"{timed['transformers'] / t:.2f}x",
+                         f"{cpu[name] * 1e3:.1f}", f"{cpu['transformers'] / cpu[name]:.2f}x", f"{err:.1e}"])
     return ("Op chunk_gated_delta_rule, fwd+bwd, chunk 64 (max |o| difference on the same inputs in the last "
             "column):\n\n" + markdown_table(["shape", "op", "ms", "GFLOP/s", "of peak", "speed vs transformers",
-                                             "max |o_ours - o_tf|"], rows))
+                                             "1-thread CPU ms", "speed (1-thread CPU)", "max |o_ours - o_tf|"], rows))
 
 
 def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
@@ -93,7 +118,9 @@ def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
 
     models = {"ours, DecoderLM attention=gdn": ours, "transformers Qwen3NextForCausalLM, all linear_attention": hf}
     try:
-        timed = interleaved({name: train_step(m) for name, m in models.items()}, rounds, iters)
+        steps = {name: train_step(m) for name, m in models.items()}
+        timed = interleaved(steps, rounds, iters)
+        cpu = cpu_interleaved(steps, rounds)
     finally:
         hf_qwen3_next.torch_chunk_gated_delta_rule = HF_CHUNK
     if calls["n"] == 0:
@@ -105,12 +132,13 @@ def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
         t = timed[name]
         gflops = 3 * fpt * Bsz * T / t / 1e9
         rows.append([name, f"{sum(p.numel() for p in m.parameters()) / 1e6:.3f}M", f"{Bsz * T / t:,.0f}",
-                     f"{peer / t:.2f}x", f"{fpt / 1e6:.2f}", f"{gflops:.1f}", f"{gflops / peak:.1%}"])
+                     f"{peer / t:.2f}x", f"{fpt / 1e6:.2f}", f"{gflops:.1f}", f"{gflops / peak:.1%}",
+                     f"{Bsz * T / cpu[name]:,.0f}", f"{cpu[next(reversed(models))] / cpu[name]:.2f}x"])
     return (f"Model, fwd+bwd+AdamW, batch {Bsz} x {T}, vocab {VOCAB}, d {D}, {LAYERS} layers, {HEADS} heads, "
             f"d_k {HEAD_DIM}, d_v {HEAD_DIM * EXPAND_V}, SwiGLU {config.intermediate_size} (Qwen3-Next torch op "
             f"calls counted: {calls['n']}):\n\n"
             + markdown_table(["model", "params", "tokens/s", "speed vs transformers", "fwd MFLOP/token",
-                              "GFLOP/s", "of peak"], rows))
+                              "GFLOP/s", "of peak", "1-thread CPU tokens/s", "speed (1-thread CPU)"], rows))
 
 
 def run(quick: bool) -> str:
