@@ -12,11 +12,11 @@
     of the checkpoint as is, then with every layer (or --layers 0,2) swapped to derived_gdn (clamped and
     exact), to VaLA (same projections, quadratic-time reference core defined here) and to the `linear`
     mixer (elu+1 normalised linear attention over the same projections); then --finetune-steps AdamW steps
-    at --lr on the derived_gdn model and its loss after. Token blocks come from load_val_blocks /
-    load_train_blocks.
+    at --lr on the derived_gdn model and its loss after. Token blocks come from the checkpoint's own
+    training data (load_blocks).
 
     python scripts/linearize.py                              # part (a) only, outputs/linearize/
-    python scripts/linearize.py --checkpoint runs/x/final --layers 0,2 --finetune-steps 300
+    python scripts/linearize.py --checkpoint outputs/<softmax run> --layers 0,2 --finetune-steps 300
 """
 import argparse
 import math
@@ -146,19 +146,19 @@ class VaLAAttention(SoftmaxAttention):
         return vala_attention(q.float(), k.float(), v.float(), self.head_dim ** -0.5).to(v.dtype)
 
 
-def load_val_blocks(checkpoint_dir: Path) -> torch.Tensor:
-    """Validation token blocks [N, L] (int64) for a checkpoint. Stub until the data pipeline's val split
-    is wired: reads <checkpoint>/val_tokens.pt."""
-    path = Path(checkpoint_dir) / "val_tokens.pt"
-    if not path.exists():
-        raise FileNotFoundError(f"{path} not found: save a [N, L] LongTensor of validation tokens there")
-    return torch.load(path)
+def load_blocks(checkpoint_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(train, val) token blocks [N, L] of the data the checkpoint was trained on, rebuilt from its
+    training_config.yaml through the data pipeline (cached, deterministic) with its own tokenizer."""
+    from omegaconf import OmegaConf
 
+    from data import build_data
+    from training.checkpoint import weights_dir
 
-def load_train_blocks(checkpoint_dir: Path) -> torch.Tensor | None:
-    """Training token blocks [N, L] for the short fine-tune; stub: <checkpoint>/train_tokens.pt, or None."""
-    path = Path(checkpoint_dir) / "train_tokens.pt"
-    return torch.load(path) if path.exists() else None
+    folder = weights_dir(checkpoint_dir)
+    cfg = OmegaConf.load(folder / "training_config.yaml")
+    data_cfg = OmegaConf.merge(cfg.data, {"tokenizer": str(folder)}) if cfg.data.get("tokenizer") == "bpe" else cfg.data
+    data = build_data(data_cfg, cfg.trainer.seq_len, cfg.seed)
+    return data.train.input_ids, data.val.input_ids
 
 
 @torch.no_grad()
@@ -197,8 +197,11 @@ def finetune(model: DecoderLM, blocks: torch.Tensor, steps: int, lr: float, batc
 
 
 def linearization_table(args) -> str:
-    checkpoint = Path(args.checkpoint)
-    val = load_val_blocks(checkpoint)[: args.max_blocks]
+    from training.checkpoint import weights_dir
+
+    checkpoint = weights_dir(args.checkpoint)
+    train, val = load_blocks(checkpoint)
+    val = val[: args.max_blocks]
     layers = None if args.layers is None else [int(i) for i in args.layers.split(",")]
     which = "all layers" if layers is None else f"layers {layers}"
     rows = [["softmax (checkpoint)", evaluate(DecoderLM.from_pretrained(checkpoint), val, args.batch_size)]]
@@ -208,24 +211,20 @@ def linearization_table(args) -> str:
                 ("linear (elu+1, normalised)", "linear", {})]
     for name, mixer, opts in variants:
         rows.append([f"{name}, {which}", evaluate(swapped(checkpoint, mixer, layers, **opts), val, args.batch_size)])
-    train = load_train_blocks(checkpoint)
-    note = ""
-    if args.finetune_steps and train is None:
-        note = "\n\nNo train_tokens.pt next to the checkpoint: fine-tune skipped."
-    elif args.finetune_steps:
+    if args.finetune_steps:
         model = swapped(checkpoint, "derived_gdn", layers, clamp_ktil=True)
         finetune(model, train, args.finetune_steps, args.lr, args.batch_size)
         rows.append([f"derived_gdn (clamp_ktil), {which}, after {args.finetune_steps} AdamW steps at lr {args.lr}",
                      evaluate(model, val, args.batch_size)])
     lines = ["| model | val loss | val ppl |", "|---|---|---|"]
     lines += [f"| {name} | {loss:.4f} | {math.exp(min(loss, 50)):.2f} |" for name, loss in rows]
-    return f"Zero-shot linearization of {checkpoint} on {tuple(val.shape)} val tokens:\n\n" + "\n".join(lines) + note
+    return f"Zero-shot linearization of {checkpoint} on {tuple(val.shape)} val tokens:\n\n" + "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "outputs" / "linearize"))
-    parser.add_argument("--checkpoint", help="HF directory of a trained softmax DecoderLM (part b)")
+    parser.add_argument("--checkpoint", help="a softmax run dir or its final/ HF dir (part b)")
     parser.add_argument("--layers", help="comma-separated layer indices to swap (default: all)")
     parser.add_argument("--max-blocks", type=int, default=256, help="validation blocks evaluated")
     parser.add_argument("--batch-size", type=int, default=8)
