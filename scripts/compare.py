@@ -26,7 +26,7 @@ config (on the meta device) and counted.
 import argparse
 import csv
 import json
-import math
+import re
 import statistics
 import struct
 import sys
@@ -154,6 +154,10 @@ def read_wandb_api(path: str) -> list[Run]:
     return runs
 
 
+def natural_key(path: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
 def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
     """Runs under the given paths (a run dir's own wandb/ folder is not read twice)."""
     runs, notes, seen = [], [], set()
@@ -167,7 +171,8 @@ def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
         elif list(p.glob("run-*.wandb")):
             runs.append(read_wandb_offline(p))
         elif p.is_dir():
-            for child in sorted(c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".")):
+            children = [c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".")]
+            for child in sorted(children, key=natural_key):  # sweep jobs in job order: 2_x before 10_x
                 visit(child)
 
     for p in paths:
