@@ -53,12 +53,29 @@ def peak_memory_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
+class JobFailed(RuntimeError):
+    """A failed job of a -m sweep: Hydra's launcher records it and starts the next job (a SystemExit
+    would end the whole sweep); the sweep exits with status 1 at the end."""
+
+
 @hydra.main(version_base="1.3", config_path="configs", config_name="train")
 def main(cfg: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         return train(cfg)
     except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one line, no traceback
-        sys.exit(f"error: {e}")
+        message = f"error: {e}"
+    except SystemExit as e:  # non-finite loss: already reported
+        if not (multirun and e.code):
+            raise
+        message = f"error: job exited with status {e.code}"
+    if multirun:
+        print(message, file=sys.stderr)
+        raise JobFailed(message)
+    sys.exit(message)
 
 
 def train(cfg: DictConfig) -> float:
