@@ -26,6 +26,8 @@ class DecodeCache:
     recurrent state. Passed to generate as `past_key_values`.
     """
 
+    is_compileable = False  # generate asks before choosing to auto-compile
+
     def __init__(self, num_layers: int):
         self.layers: list[dict] = [{} for _ in range(num_layers)]
         self.seen_tokens = 0
