@@ -156,9 +156,10 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
 
         loss = lm_loss = aux_loss = None
         if labels is not None:
-            lm_loss = F.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=-100
-            )
+            # Shift the labels, not the logits: position t predicts labels[t + 1]; the last position
+            # gets -100. Slicing the logits instead would copy the whole [B, T, V] tensor.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
             aux_loss = aux.total_loss()
             loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         return LMOutput(

@@ -41,3 +41,18 @@ def run_train(run_dir: Path, *overrides: str, launcher: list[str] | None = None,
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return proc
+
+
+def train_on_one_batch(model, steps: int = 8, vocab: int = 64) -> list[float]:
+    """AdamW steps on one fixed random batch (4 x 32 tokens); returns the losses (a model that can
+    learn drives them down)."""
+    ids = torch.randint(0, vocab, (4, 32), generator=torch.Generator().manual_seed(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses

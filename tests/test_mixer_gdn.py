@@ -4,6 +4,7 @@ loads into derived_gdn."""
 import pytest
 import torch
 
+from conftest import train_on_one_batch
 from model import DecodeCache, DecoderLM, LMConfig
 
 SCHEDULES = {"gdn": "gdn", "derived_gdn": "derived_gdn", "hybrid": ["gdn", "softmax"],
@@ -85,15 +86,7 @@ def test_generate_greedy_with_constant_cache(schedule):
 @pytest.mark.parametrize("schedule", ["gdn", "derived_gdn"])
 def test_training_lowers_loss(schedule):
     model = tiny_model(SCHEDULES[schedule]).train()
-    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(4))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_on_one_batch(model)
     assert all(map(torch.isfinite, map(torch.tensor, losses)))
     assert losses[-1] < losses[0] - 0.3, losses
 

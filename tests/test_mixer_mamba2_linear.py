@@ -3,6 +3,7 @@ forward, generate works with a cache that does not grow, training lowers the los
 import pytest
 import torch
 
+from conftest import train_on_one_batch
 from model import DecodeCache, DecoderLM, LMConfig
 
 SCHEDULES = {"mamba2": "mamba2", "linear": "linear", "hybrid": ["mamba2", "softmax"]}
@@ -71,15 +72,7 @@ def test_generate_greedy_with_constant_cache(schedule):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_training_lowers_loss(schedule):
     model = tiny_model(SCHEDULES[schedule]).train()
-    ids = torch.randint(0, 64, (4, 32), generator=torch.Generator().manual_seed(4))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(8):
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = train_on_one_batch(model)
     assert losses[-1] < losses[0] - 0.3, losses
 
 

@@ -23,6 +23,15 @@ def time_call(fn, warmup: int = 2, iters: int = 5) -> float:
     return times[len(times) // 2]
 
 
+def interleaved(fns: dict, rounds: int, iters: int) -> dict:
+    """Median over rounds of each fn's median time, the fns taking turns within a round."""
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(time_call(fn, warmup=1, iters=iters))
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
 def saved_activation_bytes(fn) -> int:
     """Bytes of the distinct tensors autograd saves for backward while running fn() (the activation
     memory of a training step, which is what differs between mixers; measured the same way on CPU

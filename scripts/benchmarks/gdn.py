@@ -24,20 +24,11 @@ from transformers.models.qwen3_next import modeling_qwen3_next as hf_qwen3_next
 
 from model import DecoderLM, LMConfig
 from model.ops.gated_delta import chunk_gated_delta_flops, chunk_gated_delta_rule
-from scripts.benchmarks.common import markdown_table, matmul_peak_gflops, time_call
+from scripts.benchmarks.common import interleaved, markdown_table, matmul_peak_gflops
 
 VOCAB, D, LAYERS, HEADS, HEAD_DIM, EXPAND_V, CHUNK = 512, 256, 4, 4, 64, 2, 64
 HF_CHUNK = getattr(hf_qwen3_next.torch_chunk_gated_delta_rule, "__wrapped__",
                    hf_qwen3_next.torch_chunk_gated_delta_rule)
-
-
-def interleaved(fns: dict, rounds: int, iters: int) -> dict:
-    """Median over rounds of each fn's median time, the fns taking turns within a round."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(time_call(fn, warmup=1, iters=iters))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def cpu_interleaved(fns: dict, rounds: int) -> dict:

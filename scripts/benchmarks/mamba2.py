@@ -25,18 +25,9 @@ from model.layers import RMSNorm
 from model.mixers.mamba2 import Mamba2
 from model.ops.linear_attention import chunk_flops_per_token
 from model.ops.ssd import mamba_chunk_scan
-from scripts.benchmarks.common import markdown_table, matmul_peak_gflops, time_call
+from scripts.benchmarks.common import interleaved, markdown_table, matmul_peak_gflops
 
 VOCAB, D, LAYERS, HEADS, HEAD_DIM, STATE, CHUNK = 512, 256, 4, 8, 64, 64, 64
-
-
-def interleaved(fns: dict, rounds: int, iters: int) -> dict:
-    """Median over rounds of each fn's median time, the fns taking turns within a round."""
-    times = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(time_call(fn, warmup=1, iters=iters))
-    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
 def op_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:

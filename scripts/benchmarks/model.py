@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model import DecoderLM, LMConfig
-from scripts.benchmarks.common import markdown_table, matmul_peak_gflops, time_call
+from scripts.benchmarks.common import interleaved, markdown_table, matmul_peak_gflops
 
 
 def train_step_fn(model, batch):
@@ -29,17 +29,12 @@ def run(quick: bool) -> str:
     llama = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
     batch = torch.randint(0, 512, (B, T))
     steps = {"ours (softmax, dense)": train_step_fn(ours, batch), "transformers Llama (sdpa)": train_step_fn(llama, batch)}
-    iters = 3 if quick else 10
-    times = {name: [] for name in steps}
-    for _ in range(2):  # interleave the peers so background noise hits both alike
-        for name, fn in steps.items():
-            times[name].append(time_call(fn, warmup=1, iters=iters))
+    times = interleaved(steps, rounds=3, iters=3 if quick else 10)  # peers take turns: noise hits both alike
     peak = matmul_peak_gflops()
     flops = 3 * ours.flops_per_token(T) * B * T
-    base = min(times["transformers Llama (sdpa)"])
+    base = times["transformers Llama (sdpa)"]
     rows = []
-    for name, ts in times.items():
-        t = min(ts)
+    for name, t in times.items():
         rows.append([name, f"{B * T / t:,.0f}", f"{t * 1e3:.0f}", f"{flops / t / 1e9:.0f}", f"{base / t:.2f}x"])
     params = sum(p.numel() for p in ours.parameters())
     return (f"B={B}, T={T}, {params / 1e6:.2f}M params, fp32 matmul peak {peak:.0f} GFLOP/s "
