@@ -106,3 +106,31 @@ def test_bad_values_fail_with_clear_message(tmp_path, data_cache, override, need
     assert proc.returncode != 0
     assert needle in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "bad" / "final").exists()
+
+
+def test_sigterm_saves_a_checkpoint_and_resume_continues(tmp_path, data_cache):
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from conftest import TINY
+
+    run = tmp_path / "sig"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWAPLM_CACHE": str(data_cache)}
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, f"run_dir={run}", "trainer.max_steps=100000",
+           "trainer.ckpt_every=100000", "trainer.eval_every=100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not (run / "metrics.jsonl").exists() and time.time() < deadline:  # the loop has started
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:]
+    saved = [l for l in out.splitlines() if l.startswith("SIGTERM: saved")]
+    assert saved and "resume=auto" in saved[0], out[-2000:]
+    (ckpt,) = (run / "checkpoints").glob("step_*")
+    step = int(ckpt.name.split("_")[1])
+    proc = run_train(run, "resume=auto", f"trainer.max_steps={step + 2}", cache=data_cache)
+    assert f"resumed from {ckpt} at step {step}" in proc.stdout
+    assert sorted(losses(run))[-2:] == [step + 1, step + 2]
