@@ -100,6 +100,8 @@ def train(cfg: DictConfig) -> float:
         cpu=not use_cuda,
         mixed_precision="bf16" if (use_cuda and tc.bf16) else "no",
         log_with="wandb" if cfg.logger.name == "wandb" else None,
+        # MoE experts that get no tokens in a micro-batch, and frozen/stage-dependent DSA paths, leave
+        # parameters without gradients on some ranks; DDP must not wait for them.
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
     )
     world, rank = accelerator.num_processes, accelerator.process_index
