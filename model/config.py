@@ -76,8 +76,17 @@ class LMConfig(PretrainedConfig):
     def layer_ffns(self) -> list[str]:
         return self._per_layer(self.ffn, "ffn")
 
-    def options_for_mixer(self, name: str) -> dict:
-        return dict(self.mixer_options.get(name) or {})
+    def options_for_mixer(self, name: str, defaults: dict) -> dict:
+        """The `name` mixer's options over its defaults; an unknown option is a one-line error."""
+        return _merge_options(name, self.mixer_options.get(name), defaults)
 
-    def options_for_ffn(self, name: str) -> dict:
-        return dict(self.ffn_options.get(name) or {})
+    def options_for_ffn(self, name: str, defaults: dict) -> dict:
+        return _merge_options(name, self.ffn_options.get(name), defaults)
+
+
+def _merge_options(name: str, given: dict | None, defaults: dict) -> dict:
+    given = dict(given or {})
+    unknown = sorted(set(given) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown {name} option(s) {unknown}; valid: {', '.join(defaults)}")
+    return {**defaults, **given}

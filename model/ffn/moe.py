@@ -57,11 +57,7 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 class MoE(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        opts = config.options_for_ffn("moe")
-        unknown = sorted(set(opts) - set(DEFAULTS))
-        if unknown:
-            raise ValueError(f"unknown moe option(s) {unknown}; valid: {', '.join(DEFAULTS)}")
-        opts = {**DEFAULTS, **opts}
+        opts = config.options_for_ffn("moe", DEFAULTS)
         if opts["score_func"] not in SCORE_FUNCS:
             raise ValueError(f"moe score_func={opts['score_func']!r}; valid: {', '.join(SCORE_FUNCS)}")
         if not 1 <= opts["top_k"] <= opts["num_experts"]:

@@ -6,7 +6,8 @@
 `cache` is a dict the layer owns across decoding calls: the model sets `cache["offset"]` (tokens
 already processed) before each call and the mixer keeps whatever continuation needs in it (KV for
 softmax/DSA; conv + recurrent state for the linear mixers). `aux` receives optional losses/metrics.
-Each mixer may define `flops_per_token(seq_len)` (forward, multiply-add = 2 FLOPs) for MFU.
+Options: `config.options_for_mixer(name, defaults)` merges the config's options over the mixer's
+defaults and rejects unknown ones in one line. Each mixer may define `flops_per_token(seq_len)` (forward, multiply-add = 2 FLOPs) for MFU.
 """
 import importlib
 import pkgutil

@@ -24,10 +24,7 @@ STATE_KEYS = ("A", "k_sum", "v_sum", "t")
 class DerivedGDN(SoftmaxAttention):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
-        opts = config.options_for_mixer("derived_gdn")
-        if set(opts) - {"clamp_ktil"}:
-            raise ValueError(f"derived_gdn: unknown options {sorted(set(opts) - {'clamp_ktil'})}; valid: clamp_ktil")
-        self.clamp_ktil = bool(opts.get("clamp_ktil", True))
+        self.clamp_ktil = bool(config.options_for_mixer("derived_gdn", {"clamp_ktil": True})["clamp_ktil"])
 
     def core(self, q, k, v, cache: dict | None, aux) -> torch.Tensor:
         groups = self.num_heads // self.num_kv_heads

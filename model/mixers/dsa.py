@@ -60,12 +60,8 @@ class LightningIndexer(nn.Module):
 class DSAttention(SoftmaxAttention):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
-        opts = {"topk": 64, "index_heads": 4, "index_head_dim": 32, "index_rope_dim": 16, "stage": "sparse",
-                "indexer_loss_coef": 1.0}
-        unknown = set(config.options_for_mixer("dsa")) - set(opts)
-        if unknown:
-            raise ValueError(f"unknown dsa option(s) {sorted(unknown)}; valid: {', '.join(opts)}")
-        opts.update(config.options_for_mixer("dsa"))
+        opts = config.options_for_mixer("dsa", {"topk": 64, "index_heads": 4, "index_head_dim": 32,
+                                                "index_rope_dim": 16, "stage": "sparse", "indexer_loss_coef": 1.0})
         if opts["stage"] not in STAGES:
             raise ValueError(f"dsa stage {opts['stage']!r}; valid: {', '.join(STAGES)}")
         if opts["topk"] < 1:

@@ -23,19 +23,17 @@ from model.registry import MIXERS
 class GatedDeltaNet(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        opts = config.options_for_mixer("gdn")
+        # None: num_heads from the config, head_dim = hidden / num_heads, num_v_heads = num_heads.
+        opts = config.options_for_mixer("gdn", {"num_heads": None, "head_dim": None, "expand_v": 2,
+                                                "num_v_heads": None, "conv_size": 4, "chunk_size": 64})
         d = config.hidden_size
         self.layer_idx = layer_idx
-        self.num_heads = opts.get("num_heads", config.num_attention_heads)
-        self.head_dim = opts.get("head_dim", d // self.num_heads)
-        self.expand_v = opts.get("expand_v", 2)
-        self.num_v_heads = opts.get("num_v_heads", self.num_heads)
-        self.conv_size = opts.get("conv_size", 4)
-        self.chunk_size = opts.get("chunk_size", 64)
-        unknown = set(opts) - {"num_heads", "head_dim", "expand_v", "num_v_heads", "conv_size", "chunk_size"}
-        if unknown:
-            raise ValueError(f"gdn: unknown options {sorted(unknown)}; valid: num_heads, head_dim, expand_v, "
-                             "num_v_heads, conv_size, chunk_size")
+        self.num_heads = opts["num_heads"] or config.num_attention_heads
+        self.head_dim = opts["head_dim"] or d // self.num_heads
+        self.expand_v = opts["expand_v"]
+        self.num_v_heads = opts["num_v_heads"] or self.num_heads
+        self.conv_size = opts["conv_size"]
+        self.chunk_size = opts["chunk_size"]
         if self.num_v_heads % self.num_heads:
             raise ValueError(f"gdn: num_v_heads={self.num_v_heads} is not a multiple of num_heads={self.num_heads}")
         self.head_v_dim = int(self.head_dim * self.expand_v)

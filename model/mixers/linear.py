@@ -24,11 +24,7 @@ DEFAULTS = dict(feature_map="elu1", normalize=True, chunk_size=64)
 class LinearAttention(SoftmaxAttention):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
-        opts = config.options_for_mixer("linear")
-        unknown = sorted(set(opts) - set(DEFAULTS))
-        if unknown:
-            raise ValueError(f"unknown linear option(s) {unknown}; valid: {', '.join(DEFAULTS)}")
-        opts = {**DEFAULTS, **opts}
+        opts = config.options_for_mixer("linear", DEFAULTS)
         if opts["feature_map"] not in FEATURE_MAPS:
             raise ValueError(f"linear feature_map={opts['feature_map']!r}; valid: {', '.join(FEATURE_MAPS)}")
         if not (isinstance(opts["chunk_size"], int) and opts["chunk_size"] > 0):

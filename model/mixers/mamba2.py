@@ -29,11 +29,7 @@ DEFAULTS = dict(expand=2, head_dim=64, state_size=64, n_groups=1, conv_size=4, c
 class Mamba2(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        opts = config.options_for_mixer("mamba2")
-        unknown = sorted(set(opts) - set(DEFAULTS))
-        if unknown:
-            raise ValueError(f"unknown mamba2 option(s) {unknown}; valid: {', '.join(DEFAULTS)}")
-        opts = {**DEFAULTS, **opts}
+        opts = config.options_for_mixer("mamba2", DEFAULTS)
         bad = {k: v for k, v in opts.items() if not (isinstance(v, int) and v > 0)}
         if bad:
             raise ValueError(f"mamba2 options must be positive integers, got {bad}")
