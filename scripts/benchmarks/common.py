@@ -32,6 +32,18 @@ def interleaved(fns: dict, rounds: int, iters: int) -> dict:
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
+def cpu_times(fn, iters: int) -> list[float]:
+    """CPU seconds (time.process_time) of each of `iters` calls of fn() after one warm-up call: barely
+    disturbed by other processes on the machine, unlike wall time."""
+    fn()
+    times = []
+    for _ in range(iters):
+        t0 = time.process_time()
+        fn()
+        times.append(time.process_time() - t0)
+    return times
+
+
 def saved_activation_bytes(fn) -> int:
     """Bytes of the distinct tensors autograd saves for backward while running fn() (the activation
     memory of a training step, which is what differs between mixers; measured the same way on CPU

@@ -10,7 +10,6 @@ active forward+backward FLOPs (3x forward: router + k experts per token); compar
 matmul peak measured in the same run. A second table gives fwd+bwd CPU time on one thread
 (time.process_time), which other processes on the machine barely disturb.
 """
-import time
 import warnings
 
 import torch
@@ -20,7 +19,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from model.config import LMConfig
 from model.ffn.moe import MoE
 from model.layers import AuxCollector
-from scripts.benchmarks.common import markdown_table, matmul_peak_gflops, time_call
+from scripts.benchmarks.common import cpu_times, markdown_table, matmul_peak_gflops, time_call
 
 
 FWD_BWD = ("ours", "ours + aux losses/metrics", "transformers eager", "transformers grouped_mm")
@@ -28,13 +27,8 @@ FWD_BWD = ("ours", "ours + aux losses/metrics", "transformers eager", "transform
 
 def cpu_time(fn, iters: int) -> float:
     """Median CPU seconds (process time) of fn() over `iters` calls after one warm-up call."""
-    fn()
-    times = []
-    for _ in range(iters):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return sorted(times)[len(times) // 2]
+    times = sorted(cpu_times(fn, iters))
+    return times[len(times) // 2]
 
 
 def build(E: int, k: int, d: int, f: int):

@@ -8,13 +8,12 @@ grows with T. The last column is the same ratio in one-thread CPU time (time.pro
 the iterations), which other processes on the machine barely disturb. Mixers that fail to build or
 run are listed with the error. Plot: outputs/bench/scaling.png.
 """
-import time
 from pathlib import Path
 
 import torch
 
 from model import MIXERS, DecoderLM, LMConfig
-from scripts.benchmarks.common import markdown_table, time_call
+from scripts.benchmarks.common import cpu_times, markdown_table, time_call
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,15 +37,9 @@ def cpu_seconds_one_thread(step, iters: int) -> float:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        step()
-        times = []
-        for _ in range(iters):
-            t0 = time.process_time()
-            step()
-            times.append(time.process_time() - t0)
+        return min(cpu_times(step, iters))
     finally:
         torch.set_num_threads(threads)
-    return min(times)
 
 
 def plot(results: dict, lengths: list[int], path: Path) -> None:
