@@ -1,9 +1,9 @@
-"""Run a grid of train.py jobs one after another, each under `accelerate launch` (or plain python),
-continuing past failed jobs, then print a summary.
+"""Run a grid of train.py jobs one after another (or --jobs at once on CPU), each under `accelerate
+launch` (or plain python), continuing past failed jobs, then print a summary.
 
     python scripts/sweep.py attention=softmax,mamba2,gdn,derived_gdn,dsa ffn=dense,moe experiment=compare \
         [--accelerate-config configs/accelerate/multi_gpu.yaml] [--launcher python] [--match-params active] \
-        [--out multirun/compare] [--dry-run]
+        [--out multirun/compare] [--jobs 2] [--dry-run]
 
 Arguments are train.py overrides; `key=a,b,c` (commas outside brackets) is a sweep axis, the grid
 is their product in the order given (the first job is the reference for --match-params). Each job
@@ -16,10 +16,15 @@ seconds, final val loss), updated after every job; exit status 1 if any job fail
 parameter count is the closest to the first job's (the FFN absorbs the mixers' differences; a MoE's
 expert width follows intermediate_size when expert_intermediate_size is null). Counts come from
 building each model on the meta device.
+
+--jobs N (plain python only) runs N jobs at once with OMP_NUM_THREADS = cpu_count / N each: on a small
+CPU, tiny models train faster per core on one thread, so two jobs at once finish a grid sooner. Their
+tokens/s then share the machine: compare throughput only between jobs of one sweep.
 """
 import argparse
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -127,12 +132,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num-processes", type=int, help="accelerate launch --num_processes")
     p.add_argument("--match-params", default="none", help=f"one of {', '.join(MATCH)}: match model.intermediate_size to the first job")
     p.add_argument("--out", help="sweep folder (default multirun/<date>/<time>_sweep)")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="jobs run at once (launcher python only), each on cpu_count/jobs threads; default 1")
     p.add_argument("--dry-run", action="store_true", help="print the jobs and their parameter counts, run nothing")
     args = p.parse_args(argv)
     if args.launcher not in LAUNCHERS:
         sys.exit(f"error: unknown --launcher {args.launcher!r}; valid: {', '.join(LAUNCHERS)}")
     if args.match_params not in MATCH:
         sys.exit(f"error: unknown --match-params {args.match_params!r}; valid: {', '.join(MATCH)}")
+    if args.jobs < 1 or (args.jobs > 1 and args.launcher != "python"):
+        sys.exit(f"error: --jobs {args.jobs}; valid: 1, or more with --launcher python (accelerate jobs already use every device)")
     if args.match_params != "none" and any(o.startswith("model.intermediate_size=") for o in args.overrides):
         sys.exit("error: --match-params sets model.intermediate_size; do not override it too")
     from training.config import check_group_overrides
@@ -166,27 +175,41 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     out.mkdir(parents=True, exist_ok=True)
-    for j in jobs:
-        run_dir = Path(j["run_dir"])
-        # hydra.run.dir: Hydra's own files (.hydra/, train.log) go into the run dir on rank 0 only.
-        cmd = launcher + [str(ROOT / "train.py"), *j["overrides"], f"run_dir={run_dir}",
-                          f"hydra.run.dir=${{rank_zero_dir:{run_dir}}}"]
-        print(f"[{j['job'] + 1}/{len(jobs)}] {j['name']} ...", end=" ", flush=True)
-        t0 = time.time()
-        with open(out / f"{j['name']}.log", "w") as log:
-            try:
-                rc = subprocess.run(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT).returncode
-            except KeyboardInterrupt:  # the job got the SIGINT too (it checkpoints); stop the sweep
-                rc = None
-        j.update(seconds=round(time.time() - t0, 1), returncode=rc, val_loss=final_val_loss(run_dir))
+    env = None
+    if args.jobs > 1:  # each concurrent job gets its share of the cores
+        env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // args.jobs))}
+    pending, running = list(jobs), {}
+
+    def finish(j, rc, t0):
+        j.update(seconds=round(time.time() - t0, 1), returncode=rc, val_loss=final_val_loss(Path(j["run_dir"])))
         j["status"] = "ok" if rc == 0 else "interrupted" if rc is None else "failed"
-        print(f"{j['status']} in {j['seconds']:.0f}s" + (f", val loss {j['val_loss']:.4f}" if j["val_loss"] else ""))
+        print(f"[{j['job'] + 1}/{len(jobs)}] {j['name']}: {j['status']} in {j['seconds']:.0f}s"
+              + (f", val loss {j['val_loss']:.4f}" if j["val_loss"] else ""), flush=True)
         if j["status"] != "ok":
             tail = (out / f"{j['name']}.log").read_text(errors="replace").strip().splitlines()[-3:]
             print("    " + "\n    ".join(tail))
         (out / "sweep.json").write_text(json.dumps(jobs, indent=1))
-        if rc is None:
-            break
+
+    try:
+        while pending or running:
+            while pending and len(running) < args.jobs:
+                j = pending.pop(0)
+                run_dir = Path(j["run_dir"])
+                # hydra.run.dir: Hydra's own files (.hydra/, train.log) go into the run dir on rank 0 only.
+                cmd = launcher + [str(ROOT / "train.py"), *j["overrides"], f"run_dir={run_dir}",
+                                  f"hydra.run.dir=${{rank_zero_dir:{run_dir}}}"]
+                with open(out / f"{j['name']}.log", "w") as log:
+                    running[j["job"]] = (j, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env),
+                                         time.time())
+            for key, (j, proc, t0) in list(running.items()):
+                if proc.poll() is not None:
+                    del running[key]
+                    finish(j, proc.returncode, t0)
+            time.sleep(0.2)
+    except KeyboardInterrupt:  # the jobs got the SIGINT too (they checkpoint); wait for them, start no more
+        for j, proc, t0 in running.values():
+            proc.wait()
+            finish(j, None, t0)
 
     print(f"\n{'job':<32} {'status':<11} {'seconds':>8} {'val loss':>9}")
     for j in jobs:

@@ -71,10 +71,11 @@ def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_c
 
 
 def test_sweep_continues_past_a_failed_job(tmp_path, data_cache, capsys):
-    """sweep.py: job 1 fails (batch 4 does not split into 3 accumulation steps), job 0 still completes;
+    """sweep.py, two jobs at once: job 1 fails (batch 4 does not split into 3 accumulation steps), job 0 still completes;
     the summary names the failure and the exit status is 1."""
     out = tmp_path / "sweep"
-    rc = sweep.main([*TINY, "trainer.max_steps=2", "trainer.grad_accum=1,3", "--launcher", "python", "--out", str(out)])
+    rc = sweep.main([*TINY, "trainer.max_steps=2", "trainer.grad_accum=1,3", "--launcher", "python", "--jobs", "2",
+                     "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 1
     jobs = json.loads((out / "sweep.json").read_text())

@@ -83,11 +83,12 @@ def test_strong_decay_is_stable():
     torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-5)
 
 
-def test_gradients_match_recurrence():
-    inputs = [x.requires_grad_() for x in make_inputs(T=21)]
+@pytest.mark.parametrize("T", [21, 24])  # a partial last chunk of 8, and whole chunks only
+def test_gradients_match_recurrence(T):
+    inputs = [x.requires_grad_() for x in make_inputs(T=T)]
     q, k, v, g, beta, h0 = inputs
     gen = torch.Generator().manual_seed(1)
-    w_o, w_h = torch.randn(2, 21, 3, 6, generator=gen, dtype=f64), torch.randn(2, 3, 8, 6, generator=gen, dtype=f64)
+    w_o, w_h = torch.randn(2, T, 3, 6, generator=gen, dtype=f64), torch.randn(2, 3, 8, 6, generator=gen, dtype=f64)
 
     def loss(fn, **kw):
         o, h = fn(q, k, v, g, beta, initial_state=h0, output_final_state=True, **kw)

@@ -14,7 +14,7 @@ Decoding keeps A [B, H, d, d], the running key and value sums and t in the cache
 import torch
 
 from model.mixers.softmax import SoftmaxAttention
-from model.ops.gated_delta import chunk_gated_delta_flops, derived_gated_delta_rule
+from model.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_flops, derived_gated_delta_rule
 from model.registry import MIXERS
 
 STATE_KEYS = ("A", "k_sum", "v_sum", "t")
@@ -44,4 +44,4 @@ class DerivedGDN(SoftmaxAttention):
         means are not counted)."""
         d = self.q_proj.in_features
         proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        return proj + self.num_heads * chunk_gated_delta_flops(self.head_dim, self.head_dim, min(64, seq_len))
+        return proj + self.num_heads * chunk_gated_delta_flops(self.head_dim, self.head_dim, min(CHUNK_SIZE, seq_len))

@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from model.layers import GatedRMSNorm, ShortConv, init_A_log_, init_dt_bias_
-from model.ops.gated_delta import (chunk_gated_delta_flops, chunk_gated_delta_rule,
+from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule,
                                    fused_recurrent_gated_delta_rule)
 from model.registry import MIXERS
 
@@ -25,7 +25,7 @@ class GatedDeltaNet(nn.Module):
         super().__init__()
         # None: num_heads from the config, head_dim = hidden / num_heads, num_v_heads = num_heads.
         opts = config.options_for_mixer("gdn", {"num_heads": None, "head_dim": None, "expand_v": 2,
-                                                "num_v_heads": None, "conv_size": 4, "chunk_size": 64})
+                                                "num_v_heads": None, "conv_size": 4, "chunk_size": CHUNK_SIZE})
         d = config.hidden_size
         self.layer_idx = layer_idx
         self.num_heads = opts["num_heads"] or config.num_attention_heads

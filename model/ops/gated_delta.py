@@ -12,6 +12,9 @@ import torch
 import torch.nn.functional as F
 
 
+CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
+
+
 def _fla(name: str):
     """fla.ops.gated_delta_rule.<name>, or None when fla (or Triton) is not importable."""
     try:
@@ -26,15 +29,16 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           chunk_size=64):
+                           chunk_size=CHUNK_SIZE):
     """Chunked (WY) gated delta rule; returns (o [B, T, H, V], final state [B, H, K, V] or None).
 
     Per chunk of C tokens with in-chunk cumulative log decay G and Gamma_ij = exp(G_i - G_j) (i >= j):
         (I + strictLower(diag(beta) (Gamma o K K^T))) [u | w] = [beta v | beta k exp(G)]
         S_{n+1} = exp(G_C) S_n + kd^T (u - w S_n),   kd = k exp(G_C - G)   (state h, [K, V])
-        o = (q exp(G)) S_n + tril(Gamma o Q K^T) (u - w S_n)
+        o = scale [(q exp(G)) S_n + tril(Gamma o Q K^T) (u - w S_n)]
     All chunks' intra-chunk work is batched; only the state recursion S_n -> S_{n+1} loops (and its
-    reverse in the hand-written backward).
+    reverse in the hand-written backward). The default C = 32 is the fastest on CPU (fla's GPU kernel
+    uses 64).
     """
     if q.is_cuda:
         fla_chunk = _fla("chunk_gated_delta_rule")
@@ -45,100 +49,129 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     V = v.shape[-1]
     dtype, cd = v.dtype, _compute_dtype(v)
     scale = K ** -0.5 if scale is None else scale
-    C = min(chunk_size, T)
-    pad = (C - T % C) % C  # padded steps have k = 0, beta = 0, g = 0: they leave the state unchanged
-    N = (T + pad) // C
-
-    def chunks(x):  # [B, T, H, *] -> [N, B, H, C, *], contiguous (chunk index leading for the recursion)
-        x = F.pad(x.to(cd), (0, 0) * (x.dim() - 2) + (0, pad))
-        x = x.view(B, N, C, H, *x.shape[3:]).transpose(0, 1).transpose(2, 3)
-        return x.contiguous()
-
-    q, k, v, g, beta = chunks(q) * scale, chunks(k), chunks(v), chunks(g), chunks(beta)
-    S0 = q.new_zeros(B * H, K, V) if initial_state is None else initial_state.to(cd).reshape(B * H, K, V)
-    o, S = _ChunkedGatedDelta.apply(q, k, v, g.cumsum(-1), beta, S0)
-    o = o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T]
+    S0 = q.new_zeros(B * H, K, V, dtype=cd) if initial_state is None else initial_state.to(cd).reshape(B * H, K, V)
+    o, S = _ChunkedGatedDelta.apply(q.to(cd), k.to(cd), v.to(cd), g.to(cd), beta.to(cd), S0, scale,
+                                    min(chunk_size, T))
     return o.to(dtype), (S.view(B, H, K, V) if output_final_state else None)
 
 
+def _token_chunk_views(tokens: torch.Tensor, chunked: torch.Tensor, C: int) -> list[tuple]:
+    """Matching views of tokens [B, T, H, *] and chunked [N, B, H, C, *] (T <= N C) over the T tokens:
+    the full chunks, then the partial last one."""
+    T = tokens.shape[1]
+    full, rest = divmod(T, C)
+    by_token = chunked.permute(1, 0, 3, 2, *range(4, chunked.dim()))  # [B, N, C, H, *]
+    views = [(tokens[:, :full * C].unflatten(1, (full, C)), by_token[:, :full])] if full else []
+    return views + ([(tokens[:, full * C:], by_token[:, full, :rest])] if rest else [])
+
+
+def _to_chunks(x: torch.Tensor, C: int, scale=1.0) -> torch.Tensor:
+    """[B, T, H, *] -> scale x as [N, B, H, C, *], contiguous, zero-padded to N C tokens, in one pass."""
+    B, T, H = x.shape[:3]
+    N = -(-T // C)
+    out = (x.new_zeros if T % C else x.new_empty)(N, B, H, C, *x.shape[3:])
+    for tok, chunk in _token_chunk_views(x, out, C):
+        torch.mul(tok, scale, out=chunk)
+    return out
+
+
+def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
+    """[N, B, H, C, *] -> its first T tokens as [B, T, H, *], contiguous."""
+    N, B, H, C = x.shape[:4]
+    out = x.new_empty(B, T, H, *x.shape[4:])
+    for tok, chunk in _token_chunk_views(out, x, C):
+        tok.copy_(chunk)
+    return out
+
+
 class _ChunkedGatedDelta(torch.autograd.Function):
-    """The chunked gated delta rule on chunked tensors: q (scaled), k [N, B, H, C, K], v [N, B, H, C, V],
-    G (in-chunk cumulative log decay), beta [N, B, H, C], S0 [B H, K, V] -> o [N, B, H, C, V], S_N.
+    """The chunked gated delta rule: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B H, K, V],
+    scale, chunk size C -> o [B, T, H, V], S_N. Inside, everything is in chunks [N, B, H, C, *] (padded
+    steps have k = 0, beta = 0, g = 0: they leave the state unchanged).
 
     Forward: u = inv (beta v), w = inv (beta k e^G), inv = (I + strictLower(Gamma o diag(beta) K K^T))^-1;
-    per chunk vnew = u - w S, S <- e^{G_C} S + kd^T vnew; then o = (q e^G) S + (Gamma o Q K^T) vnew, batched.
+    per chunk vnew = u - w S, S <- e^{G_C} S + kd^T vnew; then o = scale [(q e^G) S + (Gamma o Q K^T) vnew].
     Backward by hand (autograd through the same graph measured ~1.3x slower on CPU): the matmuls reversed, the
     state gradient in one reverse loop, and d inv folded into dA = -strictLower(inv^T [du | dw] [u | w]^T).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, G, beta, S0):
-        N, B, H, C, K = k.shape
+    def forward(ctx, q, k, v, g, beta, S0, scale, C):
+        T = k.shape[1]
+        q, k, v, G, beta = (_to_chunks(x, C) for x in (q, k, v, g, beta))
+        G = G.cumsum_(-1)
+        N, B, H, _, K = k.shape
         V = v.shape[-1]
-        kT = k.transpose(-1, -2)
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
-        gamma = (G[..., :, None] - G[..., None, :]).masked_fill(~causal, float("-inf")).exp()
-        kb = k * beta[..., None]
-        kbk, qk = kb @ kT, q @ kT
-        eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
-        akk, aqk = kbk * gamma, qk * gamma
-        inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)  # strict lower read
+        gamma = (G[..., :, None] - G[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()
         eG = G.exp()
-        u, w = inv @ (v * beta[..., None]), inv @ (kb * eG[..., None])
-        kd = k * (G[..., -1:] - G).exp()[..., None]
-        S, states, vnews = S0, [], []
-        for u_n, w_n, kd_n, decay_n in zip(u.view(N, B * H, C, V), w.view(N, B * H, C, K),
-                                           kd.view(N, B * H, C, K), eG[..., -1].reshape(N, B * H, 1, 1)):
-            states.append(S)
-            vnews.append(torch.baddbmm(u_n, w_n, S, alpha=-1))
-            S = torch.baddbmm(S * decay_n, kd_n.transpose(-1, -2), vnews[-1])
-        S_prev = torch.stack(states).view(N, B, H, K, V)  # state entering each chunk
-        vnew = torch.stack(vnews).view(N, B, H, C, V)
-        o = (q * eG[..., None]) @ S_prev + aqk @ vnew
-        ctx.save_for_backward(q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew)
-        return o, S
+        kb = k * beta[..., None]
+        kg, qg = kb * eG[..., None], q * eG[..., None]
+        kd = k * (G[..., -1:] - G).exp_()[..., None]
+        kT = k.transpose(-1, -2)
+        akk, aqk = (kb @ kT).mul_(gamma), (q @ kT).mul_(gamma)
+        eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
+        inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)  # strict lower read
+        u, w = inv @ (v * beta[..., None]), inv @ kg
+        # the state recursion, over [B H]-batched matrices; S_prev[n] is the state entering chunk n
+        u3, w3, kd3 = u.view(N, B * H, C, V), w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
+        decay = eG[..., -1].reshape(N, B * H, 1, 1)
+        S_prev, vnew = q.new_empty(N + 1, B * H, K, V), torch.empty_like(u3)
+        S_prev[0] = S0
+        for n in range(N):
+            torch.baddbmm(u3[n], w3[n], S_prev[n], alpha=-1, out=vnew[n])
+            torch.baddbmm(S_prev[n] * decay[n], kd3[n].transpose(-1, -2), vnew[n], out=S_prev[n + 1])
+        S, S_prev, vnew = S_prev[N], S_prev[:N].view(N, B, H, K, V), vnew.view(N, B, H, C, V)
+        o = (qg @ S_prev).view(N * B * H, C, V).baddbmm_(aqk.view(-1, C, C), vnew.view(-1, C, V), alpha=1)
+        ctx.save_for_backward(q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd)
+        ctx.scale, ctx.T = scale, T
+        return _from_chunks(o.view(N, B, H, C, V).mul_(scale), T), S.clone()
 
     @staticmethod
     def backward(ctx, do, dS_last):
-        q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew = ctx.saved_tensors
+        q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd = ctx.saved_tensors
         N, B, H, C, K = k.shape
         V = v.shape[-1]
+        do = _to_chunks(do, C, ctx.scale)  # the gradient of the unscaled o
         eG, ed = G.exp(), (G[..., -1:] - G).exp()
-        kb, qg, kd = k * beta[..., None], q * eG[..., None], k * ed[..., None]
         # o = qg S + aqk vnew
         d_aqk = do @ vnew.transpose(-1, -2)
-        d_vnew = aqk.transpose(-1, -2) @ do
+        d_vnew = (aqk.transpose(-1, -2) @ do).view(N, B * H, C, V)
         dS_out = (qg.transpose(-1, -2) @ do).view(N, B * H, K, V)
-        # per chunk, in reverse: vnew = u - w S,  S' = e^{G_C} S + kd^T vnew
-        dS, d_nexts, d_vnew_state = dS_last, [], []  # autograd materialises unused output grads as zeros
-        d_vnew_flat = d_vnew.view(N, B * H, C, V)
+        # per chunk, in reverse: vnew = u - w S,  S' = e^{G_C} S + kd^T vnew; d_next[n] = dL/dS_{n+1}
+        decay = eG[..., -1].reshape(N, B * H, 1, 1)
+        w3, kd3 = w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
+        d_next, du = q.new_empty(N + 1, B * H, K, V), torch.empty_like(d_vnew)
+        d_next[N] = dS_last  # autograd materialises an unused output's grad as zeros
         for n in range(N - 1, -1, -1):
-            d_nexts.append(dS)
-            dv_n = torch.baddbmm(d_vnew_flat[n], kd.view(N, B * H, C, K)[n], dS)  # total d vnew_n
-            d_vnew_state.append(dv_n)
-            dS = torch.baddbmm(dS_out[n] + dS * eG[..., -1].reshape(N, B * H, 1, 1)[n],
-                               w.view(N, B * H, C, K)[n].transpose(-1, -2), dv_n, alpha=-1)
-        d_next = torch.stack(d_nexts[::-1]).view(N, B, H, K, V)
-        du = torch.stack(d_vnew_state[::-1]).view(N, B, H, C, V)
-        dw = -du @ S_prev.transpose(-1, -2)
+            torch.baddbmm(d_vnew[n], kd3[n], d_next[n + 1], out=du[n])  # total d vnew_n
+            torch.baddbmm(dS_out[n].addcmul_(d_next[n + 1], decay[n]), w3[n].transpose(-1, -2), du[n],
+                          alpha=-1, out=d_next[n])
+        dS0, d_next = d_next[0], d_next[1:].view(N, B, H, K, V)
+        du = du.view(N, B, H, C, V)
+        dw_neg = du @ S_prev.transpose(-1, -2)  # -dL/dw
         d_kd = vnew @ d_next.transpose(-1, -2)
         # u = inv vb, w = inv kg
-        d_vb, d_kg = inv.transpose(-1, -2) @ du, inv.transpose(-1, -2) @ dw
-        dA = -(d_vb @ u.transpose(-1, -2) + d_kg @ w.transpose(-1, -2)).tril(-1)
+        d_vb, d_kg_neg = inv.transpose(-1, -2) @ du, inv.transpose(-1, -2) @ dw_neg
+        dA = (d_kg_neg @ w.transpose(-1, -2)).view(-1, C, C).baddbmm_(
+            d_vb.view(-1, C, V), u.view(-1, C, V).transpose(-1, -2), alpha=-1).view(N, B, H, C, C).tril_(-1)
         # akk = (kb k^T) o gamma, aqk = (q k^T) o gamma, gamma = exp(G_i - G_j)
-        d_kbk, d_qk = dA * gamma, d_aqk * gamma
-        d_gamma = dA * akk + d_aqk * aqk  # d(G_i - G_j)
-        d_kb = d_kbk @ k + d_kg * eG[..., None]
+        d_gamma = (dA * akk).addcmul_(d_aqk, aqk)  # d(G_i - G_j)
+        d_kbk, d_qk = dA.mul_(gamma), d_aqk.mul_(gamma)
+        d_kb = (d_kbk @ k).addcmul_(d_kg_neg, eG[..., None], value=-1)
         d_qg = do @ S_prev.transpose(-1, -2)
-        dq = d_qk @ k + d_qg * eG[..., None]
-        dk = d_kbk.transpose(-1, -2) @ kb + d_qk.transpose(-1, -2) @ q + d_kb * beta[..., None] + d_kd * ed[..., None]
-        dv = d_vb * beta[..., None]
+        dq = (d_qk @ k).addcmul_(d_qg, eG[..., None])
+        dk = (d_kbk.transpose(-1, -2) @ kb).view(-1, C, K).baddbmm_(
+            d_qk.view(-1, C, C).transpose(-1, -2), q.view(-1, C, K)).view(N, B, H, C, K)
+        dk.addcmul_(d_kb, beta[..., None]).addcmul_(d_kd, ed[..., None])
         dbeta = (d_vb * v).sum(-1) + (d_kb * k).sum(-1)
+        dv = d_vb.mul_(beta[..., None])
         d_ed = (d_kd * kd).sum(-1)  # d(G_C - G)
-        dG = d_gamma.sum(-1) - d_gamma.sum(-2) + (d_qg * qg).sum(-1) + (d_kg * kb * eG[..., None]).sum(-1) - d_ed
-        d_last = d_ed.sum(-1) + (d_next * S_prev).sum((-1, -2)) * eG[..., -1]
-        dG = torch.cat([dG[..., :-1], (dG[..., -1] + d_last)[..., None]], dim=-1)
-        return dq, dk, dv, dG, dbeta, dS
+        dG = d_gamma.sum(-1) - d_gamma.sum(-2) + (d_qg * qg).sum(-1) - (d_kg_neg * kg).sum(-1) - d_ed
+        dG[..., -1] += d_ed.sum(-1) + (d_next * S_prev).sum((-1, -2)) * eG[..., -1]
+        dg = dG.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g)
+        T = ctx.T
+        return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, dbeta)), dS0, None, None)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
@@ -212,7 +245,7 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     return o, {"A": A, "k_sum": k_sum[:, -1], "v_sum": v_sum[:, -1], "t": t0 + T}
 
 
-def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, chunk_size: int = 64) -> float:
+def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, chunk_size: int = CHUNK_SIZE) -> float:
     """Forward FLOPs per token per head of chunk_gated_delta_rule as implemented (2 per multiply-add):
     k k^T and q k^T (C K each), the unit-triangular inverse (C^2 / 6), [u | w] = inv [beta v | beta k e^G]
     (C (K + V)), w S and kd^T vnew in the state recursion (2 K V), q S (K V) and the intra-chunk
