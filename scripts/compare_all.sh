@@ -7,6 +7,7 @@
 #   ATTENTION [softmax,mamba2,gdn,derived_gdn,linear,dsa]   FFN [dense,moe]   (corpus grid)
 #   MQAR_FFN [dense]   WIDTHS [64,128]                                        (MQAR grid: ATTENTION x WIDTHS)
 #   LAUNCHER [accelerate with a GPU, else python]   ACCELERATE_CONFIG [accelerate's default]
+#   JOBS [2 with the python launcher, else 1]: jobs at once, each on cpu_count/JOBS threads
 #   CORPUS_ARGS, MQAR_ARGS: extra train.py overrides, e.g. CORPUS_ARGS="trainer.max_steps=60 logger=none"
 # A failed job does not stop anything; the exit status is 1 if any job failed.
 set -uo pipefail
@@ -19,7 +20,8 @@ WIDTHS=${WIDTHS:-64,128}
 if [ -z "${LAUNCHER:-}" ]; then
   LAUNCHER=$(python -c "import torch; print('accelerate' if torch.cuda.is_available() else 'python')")
 fi
-LAUNCH=(--launcher "$LAUNCHER")
+[ "$LAUNCHER" = python ] && JOBS=${JOBS:-2} || JOBS=${JOBS:-1}
+LAUNCH=(--launcher "$LAUNCHER" --jobs "$JOBS")
 [ -n "${ACCELERATE_CONFIG:-}" ] && LAUNCH+=(--accelerate-config "$ACCELERATE_CONFIG")
 start=$(date +%s)
 status=0

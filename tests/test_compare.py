@@ -179,3 +179,41 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     for png in ("val_loss_tokens", "val_loss_time", "throughput", "moe_load", "mqar_state", "mqar_width"):
         assert (out / f"{png}.png").stat().st_size > 1000, png
     assert len(result["summaries"]) == 4
+
+
+def test_compare_reads_wandb_api(tmp_path, monkeypatch):
+    """--wandb ENTITY/PROJECT/GROUP: runs come from wandb.Api().runs(project, filters={'group': ...}) (a
+    stand-in here: no network); history rows map _step/_runtime, unfinished runs are skipped with a note."""
+    import wandb
+
+    class FakeRun:
+        def __init__(self, name, state, config, history):
+            self.name, self.state, self.url = name, state, f"https://wandb.ai/e/p/runs/{name}"
+            self.config, self._history = {**config, "_wandb": {"x": 1}}, history
+
+        def scan_history(self):
+            return iter(self._history)
+
+    history = [{"_step": 10 * i, "_runtime": 3.0 * i, "train/loss": 4.0 - i, "val/loss": 3.9 - i, "tokens_seen": 2560 * i,
+                "perf/tokens_per_sec": 100.0 * i, "moe/layer0/load": {"_type": "histogram"}} for i in (1, 2)]
+    asked = {}
+
+    class FakeApi:
+        def runs(self, path, filters):
+            asked.update(path=path, filters=filters)
+            return [FakeRun("api-gdn", "finished", {**tiny_config("attention=gdn"), "params": {"total": 9, "active": 8}},
+                            history),
+                    FakeRun("api-running", "running", tiny_config(), history[:1])]
+
+    monkeypatch.setattr(wandb, "Api", FakeApi)
+    out = tmp_path / "report"
+    assert compare.main(["--wandb", "e/p/g", "--out", str(out)]) == 0
+    assert asked == {"path": "e/p", "filters": {"group": "g"}}
+    rows = list(csv.DictReader((out / "compare.csv").open()))
+    assert [r["run"] for r in rows] == ["api-gdn"]
+    r = rows[0]
+    assert (r["attention"], float(r["val_loss"]), int(r["tokens"]), float(r["wall_s"])) == ("gdn", 1.9, 5120, 6.0)
+    assert (int(r["params_total"]), int(r["params_active"])) == (9, 8) and r["source"].startswith("https://wandb.ai/")
+    assert "skipped api-running" in (out / "compare.md").read_text()
+    with pytest.raises(SystemExit):
+        compare.main(["--wandb", "just-a-project", "--out", str(out)])
