@@ -75,12 +75,12 @@ def _to_chunks(x: torch.Tensor, C: int, scale=1.0) -> torch.Tensor:
     return out
 
 
-def _from_chunks(x: torch.Tensor, T: int) -> torch.Tensor:
-    """[N, B, H, C, *] -> its first T tokens as [B, T, H, *], contiguous."""
+def _from_chunks(x: torch.Tensor, T: int, scale=1.0) -> torch.Tensor:
+    """[N, B, H, C, *] -> scale x over its first T tokens as [B, T, H, *], contiguous, in one pass."""
     N, B, H, C = x.shape[:4]
     out = x.new_empty(B, T, H, *x.shape[4:])
     for tok, chunk in _token_chunk_views(out, x, C):
-        tok.copy_(chunk)
+        torch.mul(chunk, scale, out=tok)
     return out
 
 
@@ -125,7 +125,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         o = (qg @ S_prev).view(N * B * H, C, V).baddbmm_(aqk.view(-1, C, C), vnew.view(-1, C, V), alpha=1)
         ctx.save_for_backward(q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd)
         ctx.scale, ctx.T = scale, T
-        return _from_chunks(o.view(N, B, H, C, V).mul_(scale), T), S.clone()
+        return _from_chunks(o.view(N, B, H, C, V), T, scale), S.clone()
 
     @staticmethod
     def backward(ctx, do, dS_last):
