@@ -104,10 +104,9 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         V = v.shape[-1]
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         gamma = (G[..., :, None] - G[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()
-        eG = G.exp()
+        eG, ed = G.exp(), (G[..., -1:] - G).exp_()
         kb = k * beta[..., None]
-        kg, qg = kb * eG[..., None], q * eG[..., None]
-        kd = k * (G[..., -1:] - G).exp_()[..., None]
+        kg, qg, kd = kb * eG[..., None], q * eG[..., None], k * ed[..., None]
         kT = k.transpose(-1, -2)
         akk, aqk = (kb @ kT).mul_(gamma), (q @ kT).mul_(gamma)
         eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
@@ -123,17 +122,16 @@ class _ChunkedGatedDelta(torch.autograd.Function):
             torch.baddbmm(S_prev[n] * decay[n], kd3[n].transpose(-1, -2), vnew[n], out=S_prev[n + 1])
         S, S_prev, vnew = S_prev[N], S_prev[:N].view(N, B, H, K, V), vnew.view(N, B, H, C, V)
         o = (qg @ S_prev).view(N * B * H, C, V).baddbmm_(aqk.view(-1, C, C), vnew.view(-1, C, V), alpha=1)
-        ctx.save_for_backward(q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd)
+        ctx.save_for_backward(q, k, v, eG, ed, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd)
         ctx.scale, ctx.T = scale, T
         return _from_chunks(o.view(N, B, H, C, V), T, scale), S.clone()
 
     @staticmethod
     def backward(ctx, do, dS_last):
-        q, k, v, G, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd = ctx.saved_tensors
+        q, k, v, eG, ed, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd = ctx.saved_tensors
         N, B, H, C, K = k.shape
         V = v.shape[-1]
         do = _to_chunks(do, C, ctx.scale)  # the gradient of the unscaled o
-        eG, ed = G.exp(), (G[..., -1:] - G).exp()
         # o = qg S + aqk vnew
         d_aqk = do @ vnew.transpose(-1, -2)
         d_vnew = (aqk.transpose(-1, -2) @ do).view(N, B * H, C, V)
