@@ -1,18 +1,15 @@
 """Train a decoder LM: python train.py [group=choice ...] [key=value ...]
 
-Builds data, model, optimizer from the Hydra config (configs/train.yaml), runs the loop on
-Accelerate (one CPU/GPU process, or DDP/FSDP under `accelerate launch`), logs to metrics.jsonl and
-W&B, checkpoints, and exports <run_dir>/final as an HF model directory.
+setup() builds data, model, optimizer and trackers from the Hydra config (configs/train.yaml) on
+Accelerate (one CPU/GPU process, or DDP/FSDP under `accelerate launch`) and resumes if asked;
+train() runs the loop (train_step, the logging Meter, evaluate, checkpoints, stop signals);
+finish() evaluates, exports <run_dir>/final as an HF model directory, plots and samples.
 """
 import json
 import math
-import os
-import resource
-import shutil
-import signal
 import sys
 import time
-from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -22,35 +19,6 @@ from omegaconf import DictConfig, OmegaConf
 from training.config import check_group_overrides, lm_config, register_resolvers
 
 register_resolvers()
-
-
-def global_batch(step: int, num_blocks: int, batch_size: int, seed: int) -> torch.Tensor:
-    """Indices of the sequences of optimizer step `step`: epoch-wise seeded permutations, so the data
-    position is the step itself (resume and any process count see the same batches)."""
-    per_epoch = num_blocks // batch_size
-    if per_epoch == 0:
-        raise ValueError(f"trainer.batch_size={batch_size} exceeds the {num_blocks} training sequences")
-    epoch, pos = divmod(step, per_epoch)
-    perm = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return perm[pos * batch_size:(pos + 1) * batch_size]
-
-
-class StopFlag:
-    """SIGINT/SIGTERM set a flag; the loop checkpoints and exits after the current step."""
-
-    def __init__(self):
-        self.signal = None
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self.handle)
-
-    def handle(self, signum, frame):
-        self.signal = signal.Signals(signum).name
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux
 
 
 class JobFailed(RuntimeError):
@@ -78,33 +46,46 @@ def main(cfg: DictConfig) -> float:
     sys.exit(message)
 
 
-def train(cfg: DictConfig) -> float:
-    from accelerate import Accelerator
+@dataclass
+class Run:
+    """What the loop needs: the config, Accelerate, data, the model (`lm` is the DecoderLM itself,
+    `model` what Accelerate prepared around it), optimizers, and where the run stands."""
+    cfg: DictConfig
+    accelerator: object
+    run_dir: Path
+    data: object
+    lm: object
+    model: object
+    optimizers: list
+    scheduler: object
+    micro: int             # sequences per process per micro-step
+    flops_per_token: float  # training (forward + backward)
+    peak_flops: float | None  # of all processes together
+    step: int
+    t_origin: float        # time/elapsed counts from here (moved back on resume)
+    last_ckpt: Path | None
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.cfg.trainer.batch_size * self.cfg.trainer.seq_len
+
+
+def setup(cfg: DictConfig) -> Run:
+    from accelerate import Accelerator, PartialState
     from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
     from hydra.core.hydra_config import HydraConfig
-    from tqdm.auto import tqdm
 
     from data import build_data
     from model import DecoderLM
-    from scripts.moe_report import plot_moe_load
     from training import checkpoint as ckpt
-    from training.evaluation import evaluate_split, sample, summarize
-    from training.metrics import MetricsWriter, perplexity, plot_loss_curves, wandb_mode
     from training.optim import build_optimizer, build_scheduler
     from training.perf import device_peak_flops
 
     t_start = time.time()
     tc = cfg.trainer
     use_cuda = torch.cuda.is_available()
-    accelerator = Accelerator(
-        cpu=not use_cuda,
-        mixed_precision="bf16" if (use_cuda and tc.bf16) else "no",
-        log_with="wandb" if cfg.logger.name == "wandb" else None,
-        # MoE experts that get no tokens in a micro-batch, and frozen/stage-dependent DSA paths, leave
-        # parameters without gradients on some ranks; DDP must not wait for them.
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)],
-    )
-    world, rank = accelerator.num_processes, accelerator.process_index
+    state = PartialState(cpu=not use_cuda)
+    world, rank = state.num_processes, state.process_index
     micro = tc.batch_size // (world * tc.grad_accum)
     if micro * world * tc.grad_accum != tc.batch_size:
         raise ValueError(f"trainer.batch_size={tc.batch_size} is not divisible by processes ({world}) x grad_accum ({tc.grad_accum})")
@@ -113,196 +94,256 @@ def train(cfg: DictConfig) -> float:
     run_dir = [cfg.run_dir or HydraConfig.get().runtime.output_dir]
     broadcast_object_list(run_dir)
     run_dir = Path(run_dir[0])
-    if accelerator.is_main_process:
+    if state.is_main_process:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     set_seed(cfg.seed)
 
     # Data: built on the main process first so the tokenizer/token caches are written once.
-    with accelerator.main_process_first():
+    with state.main_process_first():
         data = build_data(cfg.data, tc.seq_len, cfg.seed)
     eos = data.tokenizer.eos_token_id if data.tokenizer is not None else None
-    model = DecoderLM(lm_config(cfg, data.vocab_size, eos))
-    if tc.seq_len > model.config.max_position_embeddings:
-        raise ValueError(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings={model.config.max_position_embeddings}")
+    lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
+    if tc.seq_len > lm.config.max_position_embeddings:
+        raise ValueError(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings={lm.config.max_position_embeddings}")
     if cfg.init_from:
-        report = ckpt.load_matching_weights(model, cfg.init_from)
-        accelerator.print(f"init_from {cfg.init_from}: loaded {len(report['loaded'])} tensors; "
-                          f"new: {report['new'] or 'none'}; unused: {report['unused'] or 'none'}; "
-                          f"shape mismatch: {report['shape_mismatch'] or 'none'}")
+        report = ckpt.load_matching_weights(lm, cfg.init_from)
+        state.print(f"init_from {cfg.init_from}: loaded {len(report['loaded'])} tensors; "
+                    f"new: {report['new'] or 'none'}; unused: {report['unused'] or 'none'}; "
+                    f"shape mismatch: {report['shape_mismatch'] or 'none'}")
     if tc.trainable:
-        for name, p in model.named_parameters():
+        for name, p in lm.named_parameters():
             p.requires_grad_(any(s in name for s in tc.trainable))
-        if not any(p.requires_grad for p in model.parameters()):
+        if not any(p.requires_grad for p in lm.parameters()):
             raise ValueError(f"trainer.trainable={list(tc.trainable)} matches no parameter name")
-    counts = model.parameter_counts()
-    flops_per_token = 3 * model.flops_per_token(tc.seq_len)  # forward + backward
-    peak = device_peak_flops(accelerator.device, bf16=accelerator.mixed_precision == "bf16")
 
-    optimizer = build_optimizer(model, tc)
+    # DDP searches the graph for parameters without gradients only where some can have none.
+    find_unused = lm.leaves_parameters_unused() or bool(tc.trainable)
+    accelerator = Accelerator(
+        cpu=not use_cuda, mixed_precision="bf16" if (use_cuda and tc.bf16) else "no",
+        log_with="wandb" if cfg.logger.name == "wandb" else None,
+        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
+    optimizer = build_optimizer(lm, tc)
     scheduler = build_scheduler(optimizer, tc)
-    if use_cuda and tc.compile:
-        model = torch.compile(model)
+    model = torch.compile(lm) if (use_cuda and tc.compile) else lm
     model, optimizer = accelerator.prepare(model, optimizer)
-    # Not prepared: Accelerate would step it once per process; we step it once per optimizer step.
-    accelerator.register_for_checkpointing(scheduler)
-    unwrapped = accelerator.unwrap_model(model)
+    # The scheduler is not prepared: Accelerate would step it once per process.
 
-    tracker = cfg.logger.name == "wandb"
-    if tracker:
-        mode = wandb_mode(cfg.logger.mode)
-        arch = {"attention": OmegaConf.to_container(cfg.model.attention) if cfg.model.attention else cfg.attention.name,
-                "ffn": OmegaConf.to_container(cfg.model.ffn) if cfg.model.ffn else cfg.ffn.name, "size": cfg.model.size}
-        accelerator.init_trackers(
-            cfg.logger.project,
-            config={**OmegaConf.to_container(cfg, resolve=True), "params": counts, "arch": arch},
-            init_kwargs={"wandb": {"name": f"{cfg.name}-{run_dir.name}", "group": cfg.logger.group,
-                                   "tags": [str(arch["attention"]), str(arch["ffn"]), str(arch["size"]), *cfg.logger.tags],
-                                   "dir": str(run_dir), "mode": mode}},
-        )
-    metrics = MetricsWriter(accelerator, run_dir, tracker)
+    counts = lm.parameter_counts()
+    if cfg.logger.name == "wandb":
+        init_wandb(accelerator, cfg, run_dir, counts)
     if accelerator.is_main_process:
         (run_dir / "run_info.json").write_text(json.dumps({
-            "name": cfg.name, "params": counts, "layer_mixers": model.config.layer_mixers,
-            "layer_ffns": model.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
-            "train_flops_per_token": flops_per_token, "processes": world, "device": str(accelerator.device),
+            "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
+            "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
+            "train_flops_per_token": 3 * lm.flops_per_token(tc.seq_len), "processes": world,
+            "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
+            "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
             "data": cfg.data.name, "data_info": data.info, "group": cfg.logger.get("group")}, indent=1))
 
-    step = 0
-    t_origin = t_start
-    resume_from = ckpt.resolve_resume(cfg.resume, run_dir)
+    peak = device_peak_flops(accelerator.device, bf16=accelerator.mixed_precision == "bf16")
+    run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
+              optimizers=[optimizer.optimizer], scheduler=scheduler, micro=micro,
+              flops_per_token=3 * lm.flops_per_token(tc.seq_len), peak_flops=peak * world if peak else None,
+              step=0, t_origin=t_start, last_ckpt=None)
+    resume_from = resolve_resume_on_main(accelerator, cfg.resume, run_dir)
     if resume_from is not None:
-        accelerator.load_state(str(resume_from))
-        state = json.loads((resume_from / "trainer_state.json").read_text())
-        step = state["step"]
-        t_origin -= state["elapsed"]  # time/elapsed continues from where the checkpoint left off
-        accelerator.print(f"resumed from {resume_from} at step {step}")
-    last_ckpt = resume_from
-    tokens_per_step = tc.batch_size * tc.seq_len
+        saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler)
+        run.step, run.last_ckpt = saved["step"], resume_from
+        run.t_origin -= saved["elapsed"]  # time/elapsed continues from where the checkpoint left off
+        accelerator.print(f"resumed from {resume_from} at step {run.step}"
+                          + (f" (saved by {saved['processes']} process(es), now {world})" if saved["processes"] != world else ""))
     accelerator.print(
         f"run_dir {run_dir} | {counts['total'] / 1e6:.2f}M params ({counts['active'] / 1e6:.2f}M active) | "
-        f"layers {model.config.layer_mixers} x {model.config.layer_ffns} | {len(data.train)} train / "
+        f"layers {lm.config.layer_mixers} x {lm.config.layer_ffns} | {len(data.train)} train / "
         f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}")
+    return run
 
-    def run_eval() -> dict:
-        r = evaluate_split(unwrapped, data.val, micro * tc.grad_accum, tc.eval_batches, accelerator.device,
-                           data.bytes_per_token, rank, world, accelerator.autocast)
-        sums = accelerator.reduce(torch.stack([r["loss_sum"], r["count"]]), reduction="sum")
-        out = summarize(sums[0].item(), sums[1].item(), data.bytes_per_token)
-        out.update({f"val/{k}": v for k, v in r["aux"].items()})
-        if data.extra_eval is not None:
-            out.update(data.extra_eval(unwrapped, accelerator.device))
-        return out
 
-    stop = StopFlag()
-    bar = tqdm(total=tc.max_steps, initial=step, disable=not accelerator.is_main_process, dynamic_ncols=True)
-    window = {"loss": 0.0, "steps": 0, "time": 0.0, "aux": {}}
-    model.train()
-    while step < tc.max_steps:
-        t0 = time.perf_counter()
-        idx = global_batch(step, len(data.train), tc.batch_size, cfg.seed)
-        step_loss = torch.zeros((), device=accelerator.device)
-        step_aux = {}
-        for m in range(tc.grad_accum):
-            shard = idx[(m * world + rank) * micro:(m * world + rank + 1) * micro]
-            batch = {k: v.to(accelerator.device) for k, v in data.train.batch(shard).items()}
-            sync = m == tc.grad_accum - 1
-            with (nullcontext() if sync else accelerator.no_sync(model)), accelerator.autocast():
-                out = model(**batch)
-            accelerator.backward(out.loss / tc.grad_accum)
-            step_loss += out.lm_loss.detach() / tc.grad_accum
-            for k, v in out.aux_metrics.items():
-                step_aux[k] = step_aux.get(k, 0) + v / tc.grad_accum
-        grad_norm = accelerator.clip_grad_norm_(model.parameters(), tc.grad_clip)
+def resolve_resume_on_main(accelerator, resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, verified once by the main process (ckpt.resolve_resume);
+    every rank gets its answer, or its error."""
+    from accelerate.utils import broadcast_object_list
+
+    from training.checkpoint import resolve_resume
+
+    answer = [None]
+    if accelerator.is_main_process:
+        try:
+            answer = [("ok", resolve_resume(resume, run_dir, warn=print))]
+        except FileNotFoundError as e:
+            answer = [("error", str(e))]
+    broadcast_object_list(answer)
+    kind, value = answer[0]
+    if kind == "error":
+        raise FileNotFoundError(value)
+    return value
+
+
+def init_wandb(accelerator, cfg: DictConfig, run_dir: Path, counts: dict) -> None:
+    """One W&B run per training run: its id is kept in <run_dir>/wandb_run_id, and a resumed run
+    continues it (resume="allow")."""
+    from accelerate.utils import broadcast_object_list
+
+    from training.metrics import wandb_mode
+
+    id_file = run_dir / "wandb_run_id"
+    run_id = [None]
+    if accelerator.is_main_process:
+        import wandb
+
+        if not id_file.exists():
+            id_file.write_text(wandb.util.generate_id())
+        run_id = [id_file.read_text().strip()]
+    broadcast_object_list(run_id)
+    arch = {"attention": OmegaConf.to_container(cfg.model.attention) if cfg.model.attention else cfg.attention.name,
+            "ffn": OmegaConf.to_container(cfg.model.ffn) if cfg.model.ffn else cfg.ffn.name, "size": cfg.model.size}
+    accelerator.init_trackers(
+        cfg.logger.project, config={**OmegaConf.to_container(cfg, resolve=True), "params": counts, "arch": arch},
+        init_kwargs={"wandb": {"name": f"{cfg.name}-{run_dir.name}", "group": cfg.logger.group, "id": run_id[0],
+                               "resume": "allow", "dir": str(run_dir), "mode": wandb_mode(cfg.logger.mode),
+                               "tags": [str(arch["attention"]), str(arch["ffn"]), str(arch["size"]), *cfg.logger.tags]}})
+
+
+def train_step(run: Run) -> tuple[float, dict, float]:
+    """One optimizer step over the global batch of step `run.step`: this process's micro-batches,
+    gradient sync on the last one. Returns the mean LM loss over all processes, the aux metrics and
+    the gradient norm before clipping."""
+    from contextlib import nullcontext
+
+    from data.batches import global_batch, micro_batches
+
+    a, tc = run.accelerator, run.cfg.trainer
+    indices = global_batch(run.step, len(run.data.train), tc.batch_size, run.cfg.seed)
+    step_loss = torch.zeros((), device=a.device)
+    aux = {}
+    for m, shard in enumerate(micro_batches(indices, tc.grad_accum, a.process_index, a.num_processes)):
+        batch = {k: v.to(a.device) for k, v in run.data.train.batch(shard).items()}
+        with (nullcontext() if m == tc.grad_accum - 1 else a.no_sync(run.model)), a.autocast():
+            out = run.model(**batch)
+        a.backward(out.loss / tc.grad_accum)
+        step_loss += out.lm_loss.detach() / tc.grad_accum
+        for k, v in out.aux_metrics.items():
+            aux[k] = aux.get(k, 0) + v / tc.grad_accum
+    grad_norm = a.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
+    for optimizer in run.optimizers:
         optimizer.step()
-        scheduler.step()
+    run.scheduler.step()
+    for optimizer in run.optimizers:
         optimizer.zero_grad(set_to_none=True)
-        for module in unwrapped.modules():
-            if hasattr(module, "after_optimizer_step"):
-                module.after_optimizer_step()
-        step += 1
-        loss = accelerator.reduce(step_loss, reduction="mean").item()
-        if not math.isfinite(loss):
-            accelerator.print(f"error: loss became non-finite ({loss}) at step {step}; stopping. "
-                              f"Last good checkpoint: {last_ckpt or 'none'}")
-            accelerator.end_training()
-            sys.exit(1)
-        dt = time.perf_counter() - t0
-        window["loss"] += loss
-        window["steps"] += 1
-        window["time"] += dt
-        for k, v in step_aux.items():
-            window["aux"][k] = window["aux"].get(k, 0) + v
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens_per_step / dt:,.0f}")
+    for module in run.lm.modules():
+        if hasattr(module, "after_optimizer_step"):
+            module.after_optimizer_step()
+    run.step += 1
+    if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
+        grad_norm = grad_norm.full_tensor()
+    return a.reduce(step_loss, reduction="mean").item(), aux, float(grad_norm)
 
+
+def evaluate(run: Run) -> dict:
+    """Val loss / ppl / bpb over the first eval_batches (every process evaluates its share) and the
+    data's own extra evaluation (MQAR accuracy)."""
+    from training.evaluation import evaluate_split, summarize
+
+    a, tc = run.accelerator, run.cfg.trainer
+    r = evaluate_split(run.lm, run.data.val, run.micro * tc.grad_accum, tc.eval_batches, a.device,
+                       run.data.bytes_per_token, a.process_index, a.num_processes, a.autocast)
+    sums = a.reduce(torch.stack([r["loss_sum"], r["count"]]), reduction="sum")
+    out = summarize(sums[0].item(), sums[1].item(), run.data.bytes_per_token)
+    out.update({f"val/{k}": v for k, v in r["aux"].items()})
+    if run.data.extra_eval is not None:
+        out.update(run.data.extra_eval(run.lm, a.device))
+    return out
+
+
+def save(run: Run) -> None:
+    from training.checkpoint import save_checkpoint
+
+    state = {"step": run.step, "tokens_seen": run.step * run.tokens_per_step, "elapsed": time.time() - run.t_origin,
+             "processes": run.accelerator.num_processes}
+    run.last_ckpt = save_checkpoint(run.run_dir, run.lm, run.optimizers, run.scheduler, state,
+                                    run.cfg.trainer.keep_checkpoints, run.data.tokenizer, OmegaConf.to_yaml(run.cfg, resolve=True))
+
+
+def train(cfg: DictConfig) -> float:
+    from tqdm.auto import tqdm
+
+    from training.checkpoint import StopFlag
+    from training.metrics import Meter, MetricsWriter
+    from training.perf import peak_memory_gb
+
+    run = setup(cfg)
+    a, tc = run.accelerator, cfg.trainer
+    metrics = MetricsWriter(a, run.run_dir, cfg.logger.name == "wandb")
+    meter, stop, log = Meter(), StopFlag(), {}
+    bar = tqdm(total=tc.max_steps, initial=run.step, disable=not a.is_main_process, dynamic_ncols=True)
+    run.model.train()
+    while run.step < tc.max_steps:
+        t0 = time.perf_counter()
+        loss, aux, grad_norm = train_step(run)
+        if not math.isfinite(loss):
+            a.print(f"error: loss became non-finite ({loss}) at step {run.step}; stopping. "
+                    f"Last good checkpoint: {run.last_ckpt or 'none'}")
+            a.end_training()
+            sys.exit(1)
+        seconds = time.perf_counter() - t0
+        meter.add(loss, seconds, aux)
+        bar.update(1)
+        bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{run.tokens_per_step / seconds:,.0f}")
+
+        step, last = run.step, run.step == tc.max_steps
         log = {}
-        if step % tc.log_every == 0 or step == tc.max_steps:
-            n = window["steps"]
-            tok_s = tokens_per_step * n / window["time"]
-            log.update({
-                "train/loss": window["loss"] / n, "train/ppl": perplexity(window["loss"] / n),
-                "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                "perf/tokens_per_sec": tok_s, "perf/step_time": window["time"] / n,
-                "perf/tflops": flops_per_token * tok_s / 1e12,
-                "perf/peak_mem_gb": peak_memory_gb(accelerator.device), "tokens_seen": step * tokens_per_step,
-                "time/elapsed": time.time() - t_origin,
-                **{k: v / n for k, v in window["aux"].items()},
-            })
-            if peak:
-                log["perf/mfu"] = flops_per_token * tok_s / (peak * world)
-            window = {"loss": 0.0, "steps": 0, "time": 0.0, "aux": {}}
-        if step % tc.eval_every == 0 or step == tc.max_steps:
-            log.update(run_eval())
-            log["tokens_seen"] = step * tokens_per_step
-            bar.write(f"step {step}: val loss {log['val/loss']:.4f}" +
-                      (f", bpb {log['val/bpb']:.4f}" if "val/bpb" in log else ""))
+        if step % tc.log_every == 0 or last:
+            log.update(meter.row(run.tokens_per_step, run.flops_per_token, run.peak_flops))
+            log.update({"lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                        "perf/peak_mem_gb": peak_memory_gb(a.device), "time/elapsed": time.time() - run.t_origin})
+        if step % tc.eval_every == 0 or last:
+            log.update(evaluate(run))
+            if a.is_main_process:
+                bar.write(f"step {step}: val loss {log['val/loss']:.4f}" +
+                          (f", bpb {log['val/bpb']:.4f}" if "val/bpb" in log else ""))
         if log:
-            metrics.log(log, step)
-        stopping = accelerator.reduce(torch.tensor(float(stop.signal is not None), device=accelerator.device),
-                                      reduction="sum").item() > 0 if world > 1 else stop.signal is not None
-        if (step % tc.ckpt_every == 0 and step < tc.max_steps) or stopping:
-            last_ckpt = ckpt.save_checkpoint(accelerator, run_dir, {"step": step, "tokens_seen": step * tokens_per_step,
-                                                                        "elapsed": time.time() - t_origin},
-                                             tc.keep_checkpoints)
+            metrics.log({**log, "tokens_seen": step * run.tokens_per_step}, step)
+        stopping = a.reduce(torch.tensor(float(stop.signal is not None), device=a.device), reduction="sum").item() > 0
+        if (step % tc.ckpt_every == 0 and not last) or stopping:
+            save(run)
         if stopping:
-            accelerator.print(f"\n{stop.signal or 'stop signal'}: saved {last_ckpt} at step {step}; "
-                              f"continue with run_dir={run_dir} resume=auto")
-            accelerator.end_training()
+            a.print(f"\n{stop.signal or 'stop signal'}: saved {run.last_ckpt} at step {step}; "
+                    f"continue with run_dir={run.run_dir} resume=auto")
+            a.end_training()
             return float("nan")
     bar.close()
+    return finish(run, log)
 
-    final_metrics = run_eval() if step % tc.eval_every else {k: v for k, v in log.items() if k.startswith("val/")}
-    if accelerator.is_main_process:
-        export_final(unwrapped, data, cfg, run_dir)
-        plot_loss_curves(run_dir)
-        plot_moe_load(run_dir)  # no-op without MoE layers
-        lines = [f"val loss {final_metrics['val/loss']:.4f} | ppl {final_metrics['val/ppl']:.2f}"
-                 + (f" | bpb {final_metrics['val/bpb']:.4f}" if "val/bpb" in final_metrics else "")]
-        lines += [f"{k} {v:.4f}" for k, v in final_metrics.items() if not k.startswith(("val/loss", "val/ppl", "val/bpb"))
-                  and isinstance(v, float)]
-        if data.tokenizer is not None and tc.sample_tokens:
-            s = sample(unwrapped, data.tokenizer, tc.sample_prompt, tc.sample_tokens, cfg.seed, accelerator.device)
+
+def finish(run: Run, last_log: dict) -> float:
+    """Final evaluation (unless the last step just ran one), the export (all ranks join the gather),
+    then on the main process: plots, the summary, and a sample from the exported model."""
+    from training.checkpoint import export_final, load_lm
+    from training.evaluation import sample
+    from training.plots import plot_loss_curves, plot_moe_load
+
+    a, cfg, tc = run.accelerator, run.cfg, run.cfg.trainer
+    final = evaluate(run) if run.step % tc.eval_every else {k: v for k, v in last_log.items() if k.startswith("val/")}
+    folder = export_final(run.lm, run.data.tokenizer, OmegaConf.to_yaml(cfg, resolve=True), run.run_dir)
+    if a.is_main_process:
+        plot_loss_curves(run.run_dir)
+        plot_moe_load(run.run_dir)  # no-op without MoE layers
+        lines = [f"val loss {final['val/loss']:.4f} | ppl {final['val/ppl']:.2f}"
+                 + (f" | bpb {final['val/bpb']:.4f}" if "val/bpb" in final else "")]
+        lines += [f"{k} {v:.4f}" for k, v in final.items()
+                  if not k.startswith(("val/loss", "val/ppl", "val/bpb")) and isinstance(v, float)]
+        if run.data.tokenizer is not None and tc.sample_tokens:
+            # From the export, not the training model: under FSDP that one is sharded across ranks,
+            # and sampling the export checks it loads.
+            exported = load_lm(folder).to(a.device)
+            s = sample(exported, run.data.tokenizer, tc.sample_prompt, tc.sample_tokens, cfg.seed, a.device)
             lines.append(f"sample ({s['decode_tokens_per_sec']:.0f} tok/s decode):\n{s['text']}")
-        lines.append(f"saved {run_dir / 'final'} | wall time {time.time() - t_start:.0f}s")
+        lines.append(f"saved {folder} | wall time {time.time() - run.t_origin:.0f}s")
         print("\n" + "\n".join(lines))
-    accelerator.wait_for_everyone()
-    accelerator.end_training()
-    return final_metrics["val/loss"]
-
-
-def export_final(model, data, cfg, run_dir: Path) -> None:
-    """<run_dir>/final: safetensors + config (+ tokenizer) + the training config, written to a temp
-    dir and renamed, so a crash never leaves a half-written export."""
-    final = run_dir / "final"
-    tmp = run_dir / ".tmp_final"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    if data.tokenizer is not None:
-        data.tokenizer.save_pretrained(tmp)
-    (tmp / "training_config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    a.wait_for_everyone()
+    a.end_training()
+    return final["val/loss"]
 
 
 if __name__ == "__main__":

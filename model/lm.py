@@ -176,6 +176,11 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
             total += block.mixer.flops_per_token(seq_len) + block.ffn.flops_per_token()
         return float(total)
 
+    def leaves_parameters_unused(self) -> bool:
+        """True if a training step may leave some parameter without a gradient (a block declares
+        `may_leave_parameters_unused`), so DDP must search the graph for unused parameters."""
+        return any(getattr(m, "may_leave_parameters_unused", False) for m in self.modules())
+
     def parameter_counts(self) -> dict[str, int]:
         """Total parameters, and active ones per token (MoE counts only routed-to experts)."""
         total = sum(p.numel() for p in self.parameters())

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scripts.moe_report import LOAD  # noqa: E402  (moe/layer<i>/load)
+from training.plots import LOAD  # noqa: E402  (moe/layer<i>/load)
 from training.metrics import read_metrics  # noqa: E402
 
 COLUMNS = ["run", "attention", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",

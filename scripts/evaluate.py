@@ -3,6 +3,7 @@ a per-position loss curve (PNG), generation samples and decode tokens/s; all wri
 
     python scripts/evaluate.py checkpoint=outputs/<run>/final
     python scripts/evaluate.py checkpoint=outputs/<run> data=local data.path=my_texts/ batches=50
+    python scripts/evaluate.py checkpoint=outputs/<run>/checkpoints/step_0000100   # a mid-run checkpoint
 """
 import json
 import math
@@ -30,11 +31,8 @@ def evaluate(cfg: DictConfig) -> dict:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from transformers import AutoModelForCausalLM
-
-    import model  # noqa: F401  (registers the Auto classes)
     from data import build_data
-    from training.checkpoint import weights_dir
+    from training.checkpoint import load_lm, weights_dir
     from training.evaluation import evaluate_split, sample, summarize
 
     folder = weights_dir(cfg.checkpoint)
@@ -42,7 +40,7 @@ def evaluate(cfg: DictConfig) -> dict:
     data_cfg = cfg.data if cfg.get("data") is not None else train_cfg.data
     seq_len = cfg.seq_len or train_cfg.trainer.seq_len
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    lm = AutoModelForCausalLM.from_pretrained(folder).to(device).eval()
+    lm = load_lm(folder).to(device).eval()
     if data_cfg.get("tokenizer") == "bpe":
         # Reuse the checkpoint's own tokenizer, whatever data it is evaluated on.
         data_cfg = OmegaConf.merge(data_cfg, {"tokenizer": str(folder)})

@@ -23,17 +23,16 @@ sys.path.insert(0, str(ROOT))
 
 
 def load(checkpoint: str | Path, device: str):
-    """(model, tokenizer) of an HF dir or run dir."""
+    """(model, tokenizer) of an HF dir, a run dir or a mid-run checkpoint dir."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    import model  # noqa: F401  (registers swaplm with the Auto classes)
-    from training.checkpoint import weights_dir
+    from training.checkpoint import load_lm, weights_dir
 
     folder = weights_dir(checkpoint)
     if not (folder / "tokenizer_config.json").exists():
         raise FileNotFoundError(f"{folder} has no tokenizer (synthetic-data runs such as MQAR cannot be scored on text tasks)")
-    lm = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device).eval()
+    lm = load_lm(folder, dtype=torch.float32).to(device).eval()
     return lm, AutoTokenizer.from_pretrained(folder)
 
 
@@ -63,7 +62,7 @@ def main(argv=None) -> int:
     import torch
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="HF model dir or run dir (its final/)")
+    p.add_argument("checkpoint", help="HF model dir, run dir (its final/) or checkpoint dir (checkpoints/step_N)")
     p.add_argument("--tasks", required=True, help="comma-separated lm-eval task names")
     p.add_argument("--include-path", help="folder of extra task YAMLs")
     p.add_argument("--limit", type=float, help="examples per task (or a fraction if < 1)")

@@ -327,7 +327,7 @@ def test_autocast_bf16_runs_experts_in_bf16_and_routes_in_fp32():
 
 
 def test_moe_report_plots(tmp_path):
-    from scripts.moe_report import plot_moe_load
+    from training.plots import plot_moe_load
     from training.metrics import to_python
 
     model = tiny_lm(["dense", "moe"])

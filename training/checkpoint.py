@@ -1,75 +1,216 @@
-"""Checkpoints: Accelerate save_state (model, optimizer, scheduler, RNG) plus trainer_state.json
-(step = data position, since batches are a pure function of the step), written to a temp folder and
-renamed, keeping the last N; and loading weights from an HF dir or a run dir (init_from)."""
+"""Checkpoints, the final export, and loading weights back.
+
+A checkpoint `checkpoints/step_N/` holds
+- `state/`: model and optimizer state through torch.distributed.checkpoint (DCP): every rank writes
+  its own shard under FSDP, rank 0 writes the replicated tensors under DDP or one process. DCP
+  reshards on load, so a run checkpointed with P processes resumes with any other count (the global
+  batch is a pure function of the step, so the data position is the step: trainer_state.json);
+- `scheduler.pt`, `trainer_state.json` (step, tokens seen, elapsed time, processes);
+- `config.json`, `training_config.yaml` and the tokenizer, so that evaluation scripts can load it
+  like an exported model (`load_lm`);
+- `manifest.json`, written last: the size and SHA-256 of every other file. `resume=auto` verifies
+  the latest checkpoint against it and falls back to the previous good one.
+Each is written to a temp folder and renamed. The training step draws no random numbers (batches
+come from the step, the model has no dropout), so no RNG state is saved.
+
+We use DCP directly rather than Accelerate's save_state because it is one code path for one
+process, DDP and FSDP2 alike (Accelerate's sharded path needs its FSDP plugin, which it ignores on
+CPU), and it can be tested on CPU with torch's fully_shard over gloo.
+"""
+import hashlib
 import json
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
 
 
+def is_main() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def replace_dir(tmp: Path, final: Path) -> None:
+    """Move a finished temp folder into place (the old one, if any, goes first)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+
+
+class StopFlag:
+    """SIGINT/SIGTERM set a flag; the loop checkpoints and exits after the current step."""
+
+    def __init__(self):
+        self.signal = None
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self.handle)
+
+    def handle(self, signum, frame):
+        self.signal = signal.Signals(signum).name
+
+
+# writing --------------------------------------------------------------------------------------
+def write_model_files(folder: Path, model, tokenizer, training_config: str) -> None:
+    """What from_pretrained-style loaders need besides the weights: config, tokenizer, run config."""
+    model.config.save_pretrained(folder)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    (folder / "training_config.yaml").write_text(training_config)
+
+
+def file_digest(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def write_manifest(folder: Path) -> None:
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    manifest = {str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": file_digest(p)} for p in files}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1))
+
+
+def save_checkpoint(run_dir: Path, model, optimizers: list, scheduler, state: dict, keep: int,
+                    tokenizer=None, training_config: str = "") -> Path:
+    """Called on every rank (each writes its DCP shard); the main process writes the small files,
+    the manifest, renames and prunes to the last `keep`."""
+    final = Path(run_dir) / "checkpoints" / f"step_{state['step']:07d}"
+    tmp = final.with_name(f".tmp_{final.name}")
+    if is_main() and tmp.exists():
+        shutil.rmtree(tmp)
+    barrier()
+    model_state, optim_state = get_state_dict(model, optimizers)
+    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "state", no_dist=not dist.is_initialized())
+    if is_main():
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        write_model_files(tmp, model, tokenizer, training_config)
+        (tmp / "trainer_state.json").write_text(json.dumps(state))
+        write_manifest(tmp)
+        replace_dir(tmp, final)
+        for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
+            shutil.rmtree(old)
+    barrier()
+    return final
+
+
+def load_checkpoint(folder: Path, model, optimizers: list, scheduler) -> dict:
+    """Load model, optimizer and scheduler state in place (resharding to this run's layout);
+    returns trainer_state.json."""
+    model_state, optim_state = get_state_dict(model, optimizers)
+    state = {"model": model_state, "optim": optim_state}
+    dcp.load(state, checkpoint_id=folder / "state", no_dist=not dist.is_initialized())
+    set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
+    return json.loads((folder / "trainer_state.json").read_text())
+
+
+def export_final(model, tokenizer, training_config: str, run_dir: Path) -> Path:
+    """<run_dir>/final: an HF model dir (safetensors + config + tokenizer + the training config).
+    Every rank must call it: under FSDP the full state dict is gathered from all shards (to rank 0's
+    CPU); only the main process writes, to a temp dir that is then renamed."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    final = Path(run_dir) / "final"
+    if is_main():
+        tmp = Path(run_dir) / ".tmp_final"
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.save_pretrained(tmp, state_dict=full, is_main_process=True)
+        write_model_files(tmp, model, tokenizer, training_config)
+        replace_dir(tmp, final)
+    barrier()
+    return final
+
+
+# finding and verifying -------------------------------------------------------------------------
 def checkpoints(run_dir: Path) -> list[Path]:
     folder = Path(run_dir) / "checkpoints"
     found = [p for p in folder.glob("step_*") if STEP_DIR.match(p.name) and (p / "trainer_state.json").exists()]
     return sorted(found, key=lambda p: int(STEP_DIR.match(p.name).group(1)))
 
 
-def save_checkpoint(accelerator, run_dir: Path, state: dict, keep: int) -> Path:
-    """Called on every rank (save_state gathers per-rank RNG); only the main process renames/prunes."""
-    final = Path(run_dir) / "checkpoints" / f"step_{state['step']:07d}"
-    tmp = final.with_name(f".tmp_{final.name}")
-    if accelerator.is_main_process and tmp.exists():
-        shutil.rmtree(tmp)
-    accelerator.wait_for_everyone()
-    accelerator.save_state(str(tmp))
-    accelerator.wait_for_everyone()
-    if accelerator.is_main_process:
-        (tmp / "trainer_state.json").write_text(json.dumps(state))
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-        for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
-            shutil.rmtree(old)
-    accelerator.wait_for_everyone()
-    return final
+def checkpoint_problem(folder: Path) -> str | None:
+    """None if every file the manifest lists is there with its size and checksum; else what is wrong."""
+    manifest = folder / MANIFEST
+    if not manifest.exists():
+        return f"{manifest} is missing"
+    for name, expected in json.loads(manifest.read_text()).items():
+        path = folder / name
+        if not path.exists():
+            return f"{path} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{path} has {path.stat().st_size} bytes, expected {expected['bytes']} (truncated?)"
+        if file_digest(path) != expected["sha256"]:
+            return f"{path} does not match its checksum (corrupt)"
+    return None
 
 
-def resolve_resume(resume: str | None, run_dir: Path) -> Path | None:
-    """resume: None | 'auto' (latest in run_dir, None if there is none) | a checkpoint or run dir."""
+def resolve_resume(resume: str | None, run_dir: Path, warn=print) -> Path | None:
+    """resume: None | 'auto' (the latest good checkpoint in run_dir; None if there is none) | a
+    checkpoint dir or a run dir (its latest good checkpoint). Bad checkpoints are reported with the
+    file at fault and skipped; if checkpoints exist but none is good, that is an error."""
     if resume is None:
         return None
     if resume == "auto":
-        found = checkpoints(run_dir)
-        return found[-1] if found else None
-    path = Path(resume)
-    if (path / "trainer_state.json").exists():
-        return path
-    found = checkpoints(path) if path.exists() else []
-    if not found:
-        raise FileNotFoundError(f"resume={resume!r} is neither a checkpoint nor a run dir with checkpoints")
-    return found[-1]
+        candidates = checkpoints(run_dir)
+        if not candidates:
+            return None
+    else:
+        path = Path(resume)
+        candidates = [path] if (path / "trainer_state.json").exists() else checkpoints(path) if path.exists() else []
+        if not candidates:
+            raise FileNotFoundError(f"resume={resume!r} is neither a checkpoint nor a run dir with checkpoints")
+    for folder in reversed(candidates):
+        problem = checkpoint_problem(folder)
+        if problem is None:
+            return folder
+        warn(f"warning: checkpoint {folder} is unusable: {problem}; trying the previous one")
+    raise FileNotFoundError(f"no usable checkpoint among {[str(c) for c in candidates]} (see the warnings above)")
 
 
+# loading weights elsewhere ----------------------------------------------------------------------
 def weights_dir(path: str | Path) -> Path:
-    """An HF dir (has config.json) or a run dir (its final/ export)."""
+    """An HF dir or a checkpoint dir (has config.json), or a run dir (its final/ export)."""
     path = Path(path)
     for candidate in (path, path / "final"):
         if (candidate / "config.json").exists():
             return candidate
-    raise FileNotFoundError(f"{str(path)!r} is neither an HF model dir nor a run dir with final/config.json")
+    raise FileNotFoundError(f"{str(path)!r} is neither a model dir, a checkpoint dir nor a run dir with final/config.json")
+
+
+def load_lm(path: str | Path, dtype: torch.dtype | None = None):
+    """The model of an HF dir (from_pretrained), a run dir (its final/) or a mid-run checkpoint
+    (checkpoints/step_N: config.json + the DCP model state)."""
+    from transformers import AutoModelForCausalLM
+
+    import model  # noqa: F401  (registers LMConfig / DecoderLM with the Auto classes)
+
+    folder = weights_dir(path)
+    if not (folder / "state").is_dir():
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    from transformers import AutoConfig
+
+    lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    state = {"model": get_model_state_dict(lm)}
+    dcp.load(state, checkpoint_id=folder / "state", no_dist=not dist.is_initialized())
+    set_state_dict(lm, [], model_state_dict=state["model"], optim_state_dict={})
+    return lm.to(dtype) if dtype is not None else lm
 
 
 def load_matching_weights(model: torch.nn.Module, path: str | Path) -> dict[str, list[str]]:
     """Copy every weight whose name and shape match; return what was new, unused or mismatched."""
-    from safetensors.torch import load_file
-
-    folder = weights_dir(path)
-    source = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        source.update(load_file(file))
+    source = load_lm(path).state_dict()
     own = model.state_dict()
     loaded = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(loaded, strict=False)
@@ -77,6 +218,6 @@ def load_matching_weights(model: torch.nn.Module, path: str | Path) -> dict[str,
     return {
         "loaded": sorted(loaded),
         "new": sorted(k for k in own if k not in source and k not in tied),
-        "unused": sorted(k for k in source if k not in own),
+        "unused": sorted(k for k in source if k not in own and k not in tied),
         "shape_mismatch": sorted(k for k in source if k in own and own[k].shape != source[k].shape),
     }

@@ -15,17 +15,24 @@ def evaluate_split(model, split: Split, batch_size: int, max_batches: int | None
                    bytes_per_token: float | None, rank: int = 0, world: int = 1, autocast=None,
                    per_position: bool = False) -> dict:
     """Token-weighted mean loss over the first max_batches * batch_size blocks (all if None), each
-    rank taking a contiguous share; returns sums so that callers can reduce across ranks."""
+    rank taking a contiguous share; returns sums so that callers can reduce across ranks. Every
+    rank runs the same number of forwards (a rank whose share is one batch short runs a filler
+    batch it does not count), as a model sharded by FSDP needs all ranks in each forward."""
     was_training = model.training
     model.eval()
     n = len(split) if max_batches is None else min(len(split), max_batches * batch_size)
-    share = torch.arange(n).tensor_split(world)[rank]
+    shares = torch.arange(n).tensor_split(world)
+    share = shares[rank]
+    batches_per_rank = -(-len(shares[0]) // batch_size)
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     count = torch.zeros((), dtype=torch.float64, device=device)
     pos_sum = pos_count = None
     aux_sums: dict[str, torch.Tensor] = {}
     batches = 0
-    for idx in share.split(batch_size):
+    chunks = list(share.split(batch_size))
+    for i in range(batches_per_rank):
+        filler = i >= len(chunks)  # a forward that only keeps this rank in step with the others
+        idx = shares[0][:batch_size] if filler else chunks[i]
         batch = {k: v.to(device) for k, v in split.batch(idx).items()}
         with autocast() if autocast else torch.autocast(device.type, enabled=False):
             out = model(input_ids=batch["input_ids"])
@@ -33,6 +40,8 @@ def evaluate_split(model, split: Split, batch_size: int, max_batches: int | None
         targets = batch["labels"][:, 1:]
         token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
                                      reduction="none").view_as(targets).double()
+        if filler:
+            continue
         mask = targets != -100
         loss_sum += token_loss[mask].sum()
         count += mask.sum()

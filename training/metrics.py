@@ -56,32 +56,31 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
-def plot_loss_curves(run_dir: Path) -> Path | None:
-    """train/val loss against tokens seen -> <run_dir>/loss.png."""
-    rows = read_metrics(run_dir)
-    train = [(r["tokens_seen"], r["train/loss"]) for r in rows if "train/loss" in r]
-    val = [(r["tokens_seen"], r["val/loss"]) for r in rows if "val/loss" in r]
-    if not train:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(*zip(*train), label="train")
-    if val:
-        ax.plot(*zip(*val), "o-", label="val")
-    ax.set_xlabel("tokens seen")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(Path(run_dir).name)
-    ax.legend()
-    fig.tight_layout()
-    out = Path(run_dir) / "loss.png"
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
-
-
 def perplexity(loss: float) -> float:
     return math.exp(min(loss, 50.0))
+
+
+class Meter:
+    """The logging window: sums over the optimizer steps since the last log row."""
+
+    def __init__(self):
+        self.loss, self.steps, self.seconds, self.aux = 0.0, 0, 0.0, {}
+
+    def add(self, loss: float, seconds: float, aux: dict) -> None:
+        self.loss += loss
+        self.steps += 1
+        self.seconds += seconds
+        for k, v in aux.items():
+            self.aux[k] = self.aux.get(k, 0) + v
+
+    def row(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None) -> dict:
+        """Means over the window (and throughput over its wall time); then the window restarts."""
+        n = self.steps
+        tok_s = tokens_per_step * n / self.seconds
+        out = {"train/loss": self.loss / n, "train/ppl": perplexity(self.loss / n), "perf/tokens_per_sec": tok_s,
+               "perf/step_time": self.seconds / n, "perf/tflops": flops_per_token * tok_s / 1e12,
+               **{k: v / n for k, v in self.aux.items()}}
+        if peak_flops:
+            out["perf/mfu"] = flops_per_token * tok_s / peak_flops
+        self.__init__()
+        return out

@@ -62,3 +62,12 @@ def device_peak_flops(device: torch.device, bf16: bool) -> float | None:
                 return peaks["bf16" if bf16 else "fp32"] * 1e12
         return None
     return cpu_peak_flops()
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak allocated GPU memory, or on CPU the process's peak resident set size."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # KiB on Linux

@@ -55,6 +55,8 @@ SCORE_FUNCS = ("softmax", "sigmoid")
 
 @FFNS.register("moe")
 class MoE(nn.Module):
+    may_leave_parameters_unused = True  # an expert that gets no token in a micro-batch gets no gradient
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         opts = config.options_for_ffn("moe", DEFAULTS)

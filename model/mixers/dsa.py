@@ -58,6 +58,8 @@ class LightningIndexer(nn.Module):
 
 @MIXERS.register("dsa")
 class DSAttention(SoftmaxAttention):
+    may_leave_parameters_unused = True  # the stage decides which of attention / indexer get gradients
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
         opts = config.options_for_mixer("dsa", {"topk": 64, "index_heads": 4, "index_head_dim": 32,
