@@ -7,6 +7,7 @@ finish() evaluates, exports <run_dir>/final as an HF model directory, plots and 
 """
 import json
 import math
+import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -99,8 +100,9 @@ def setup(cfg: DictConfig) -> Run:
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     set_seed(cfg.seed)
 
-    # Data: built on the main process first so the tokenizer/token caches are written once.
-    with state.main_process_first():
+    # Data: prepared by one process first, so the tokenizer/token caches are written once: the
+    # main process when the cache is one filesystem for all nodes, else each node's local main.
+    with state.main_process_first() if cfg.data.get("cache_shared") else state.local_main_process_first():
         data = build_data(cfg.data, tc.seq_len, cfg.seed)
     eos = data.tokenizer.eos_token_id if data.tokenizer is not None else None
     lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
@@ -190,10 +192,8 @@ def init_wandb(accelerator, cfg: DictConfig, run_dir: Path, counts: dict) -> Non
     id_file = run_dir / "wandb_run_id"
     run_id = [None]
     if accelerator.is_main_process:
-        import wandb
-
         if not id_file.exists():
-            id_file.write_text(wandb.util.generate_id())
+            id_file.write_text(secrets.token_hex(4))  # the shape of W&B's own ids: 8 lowercase characters
         run_id = [id_file.read_text().strip()]
     broadcast_object_list(run_id)
     arch = {"attention": OmegaConf.to_container(cfg.model.attention) if cfg.model.attention else cfg.attention.name,

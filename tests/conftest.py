@@ -32,8 +32,8 @@ TINY = [
 
 
 def run_train(run_dir: Path, *overrides: str, launcher: list[str] | None = None, check: bool = True,
-              cache: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+              cache: Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if cache is not None:
         env["SWAPLM_CACHE"] = str(cache)
     cmd = (launcher or [sys.executable]) + [str(ROOT / "train.py"), *TINY, f"run_dir={run_dir}", *overrides]

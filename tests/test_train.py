@@ -45,6 +45,18 @@ def test_train_eval_export_and_evaluate(tmp_path, data_cache):
     assert report["val/loss"] == pytest.approx(evals[-1]["val/loss"], abs=1e-4)
     assert (out / "per_position_loss.png").exists() and report["decode_tokens_per_sec"] > 0
 
+    # A mid-run checkpoint is evaluable as it is: evaluate.py reproduces the step-4 val loss from it.
+    step4 = run / "checkpoints" / "step_0000004"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"checkpoint={step4}",
+                           f"out_dir={tmp_path / 'eval4'}", "batches=2", "batch_size=4", "sample_tokens=0"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "eval4" / "eval.json").read_text())
+    assert report["val/loss"] == pytest.approx(evals[0]["val/loss"], abs=1e-4)
+    from scripts.lm_eval import load
+    lm, tokenizer = load(step4, "cpu")
+    assert lm.config.vocab_size == len(tokenizer)
+
 
 def test_resume_equals_uninterrupted(tmp_path, data_cache):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
@@ -57,6 +69,39 @@ def test_resume_equals_uninterrupted(tmp_path, data_cache):
     assert sorted(b) == [5, 6, 7, 8]
     for step in b:
         assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
+
+
+def test_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path, data_cache):
+    full, run = tmp_path / "full", tmp_path / "run"
+    run_train(full, "trainer.ckpt_every=2", "trainer.keep_checkpoints=5", cache=data_cache)
+    (run / "checkpoints").mkdir(parents=True)
+    for step in (2, 4):
+        shutil.copytree(full / "checkpoints" / f"step_000000{step}", run / "checkpoints" / f"step_000000{step}")
+    shard = run / "checkpoints" / "step_0000006"
+    shutil.copytree(full / "checkpoints" / "step_0000006", shard)
+    bad = next((shard / "state").glob("*.distcp"))
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # a write cut short
+    proc = run_train(run, "trainer.ckpt_every=2", "resume=auto", cache=data_cache)
+    warning = [l for l in proc.stdout.splitlines() if "unusable" in l]
+    assert warning and str(bad) in warning[0] and "truncated" in warning[0], proc.stdout[-2000:]
+    assert "resumed from" in proc.stdout and "step_0000004 at step 4" in proc.stdout
+    a, b = losses(full), losses(run)
+    assert sorted(b) == [5, 6, 7, 8]
+    for step in b:
+        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
+
+
+def test_resumed_run_continues_its_wandb_run(tmp_path, data_cache):
+    """Offline W&B: the run id is kept in the run dir and the resumed process logs to the same run
+    (read back from the offline run folders wandb wrote)."""
+    run = tmp_path / "run"
+    env = {"WANDB_MODE": "offline"}
+    run_train(run, "logger=wandb", "trainer.max_steps=4", "trainer.ckpt_every=2", cache=data_cache, env=env)
+    run_train(run, "logger=wandb", "trainer.max_steps=6", "trainer.ckpt_every=2", "resume=auto", cache=data_cache, env=env)
+    run_id = (run / "wandb_run_id").read_text().strip()
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all(f.name.endswith(f"-{run_id}") for f in folders), folders
+    assert all((f / f"run-{run_id}.wandb").exists() for f in folders)
 
 
 def test_non_finite_loss_stops_with_message(tmp_path, data_cache):

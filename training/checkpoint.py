@@ -23,6 +23,7 @@ import os
 import re
 import shutil
 import signal
+import warnings
 from pathlib import Path
 
 import torch
@@ -63,6 +64,14 @@ class StopFlag:
         self.signal = signal.Signals(signum).name
 
 
+def run_dcp(fn, state: dict, folder: Path) -> None:
+    """dcp.save or dcp.load; in one process without a process group when there is none (DCP warns
+    that it assumes so even when told; here that is the intent)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
+        fn(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
+
+
 # writing --------------------------------------------------------------------------------------
 def write_model_files(folder: Path, model, tokenizer, training_config: str) -> None:
     """What from_pretrained-style loaders need besides the weights: config, tokenizer, run config."""
@@ -93,7 +102,7 @@ def save_checkpoint(run_dir: Path, model, optimizers: list, scheduler, state: di
         shutil.rmtree(tmp)
     barrier()
     model_state, optim_state = get_state_dict(model, optimizers)
-    dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=tmp / "state", no_dist=not dist.is_initialized())
+    run_dcp(dcp.save, {"model": model_state, "optim": optim_state}, tmp / "state")
     if is_main():
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         write_model_files(tmp, model, tokenizer, training_config)
@@ -111,7 +120,7 @@ def load_checkpoint(folder: Path, model, optimizers: list, scheduler) -> dict:
     returns trainer_state.json."""
     model_state, optim_state = get_state_dict(model, optimizers)
     state = {"model": model_state, "optim": optim_state}
-    dcp.load(state, checkpoint_id=folder / "state", no_dist=not dist.is_initialized())
+    run_dcp(dcp.load, state, folder / "state")
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     return json.loads((folder / "trainer_state.json").read_text())
@@ -203,7 +212,7 @@ def load_lm(path: str | Path, dtype: torch.dtype | None = None):
 
     lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
     state = {"model": get_model_state_dict(lm)}
-    dcp.load(state, checkpoint_id=folder / "state", no_dist=not dist.is_initialized())
+    run_dcp(dcp.load, state, folder / "state")
     set_state_dict(lm, [], model_state_dict=state["model"], optim_state_dict={})
     return lm.to(dtype) if dtype is not None else lm
 
