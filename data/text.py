@@ -1,29 +1,48 @@
-"""Text corpora -> tokenizer -> documents joined with EOS -> fixed-length blocks, cached on disk.
+"""Text corpora -> tokenizer -> token stores (train, val) -> fixed-length windows.
 
 Sources: `stdlib` (this Python's standard library source, found with sysconfig, without
 site-packages and test folders, files in sorted order, train/val split by a hash of each file's
-relative path), `hf` (a hub dataset by name/config/split/text column, streaming allowed) and `local`
-(.txt/.jsonl/.parquet files or a folder of them). The tokenizer is a byte-level BPE trained on the
-train split (cached) or any transformers tokenizer by name.
+relative path), `hf` (a hub dataset by name/config/split/text column; `streaming=true` takes the
+first `max_tokens` without downloading the rest) and `local` (.txt/.jsonl/.parquet files or a folder
+of them). Each source gives `datasets` datasets, never Python lists of the corpus: they are
+tokenized with `datasets.map(batched=True, num_proc=...)` (its parallelism, its arrow files) and
+written once to a token store (data/store.py) under a key of (source, tokenizer, split), which
+every rank then memory-maps. The tokenizer is a byte-level BPE trained on the train split (cached)
+or any transformers tokenizer by name.
 """
 import hashlib
 import json
 import os
+import shutil
 import sysconfig
+import tempfile
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from data.registry import DATASETS
-from data.types import Data, Split
+from data.store import STORE_VERSION, TokenStore, TokenWindows, store_problem, write_store
+from data.types import Data
 
 EOS = "<|endoftext|>"
 SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+BATCH = 1000  # documents per tokenizer call
 
 
-# ---- sources: each returns (train_docs, val_docs, fingerprint) -----------------------------------
+@dataclass
+class Corpus:
+    """train / val: datasets.Dataset (IterableDataset when streaming) with a text column; val None
+    means: hold out a deterministic share of the train documents."""
+    train: object
+    val: object | None
+    column: str
+    fingerprint: str
+    streaming: bool = False
+
+
+# ---- sources -------------------------------------------------------------------------------------
 def stdlib_documents(cfg) -> tuple[list[str], list[str], str]:
     root = Path(sysconfig.get_paths()["stdlib"])
     paths = []
@@ -43,48 +62,61 @@ def stdlib_documents(cfg) -> tuple[list[str], list[str], str]:
     return train, val, f"stdlib-{root}-{sizes.hexdigest()}-{cfg.val_fraction}"
 
 
-def _column(dataset, column: str, where: str) -> list[str]:
-    names = dataset.column_names or []
-    if column not in names:
+def stdlib_corpus(cfg) -> Corpus:
+    """The embedded default corpus (~12 MB: read into memory, then handed on as datasets)."""
+    import datasets
+
+    train, val, fingerprint = stdlib_documents(cfg)
+    return Corpus(datasets.Dataset.from_dict({"text": train}), datasets.Dataset.from_dict({"text": val}),
+                  "text", fingerprint)
+
+
+def _check_column(dataset, column: str, where: str) -> None:
+    names = dataset.column_names  # None for a stream whose features are unknown until read
+    if names is not None and column not in names:
         raise ValueError(f"{where} has no text column {column!r}; its columns: {', '.join(names)}")
-    return list(dataset[column])
 
 
-def _hold_out(docs: list[str], fraction: float) -> tuple[list[str], list[str]]:
+def _hold_out(dataset, fraction: float):
     """Every round(1/fraction)-th document goes to val (deterministic, order-preserving)."""
     every = max(2, round(1 / fraction))
-    return ([d for i, d in enumerate(docs) if i % every != every - 1],
-            [d for i, d in enumerate(docs) if i % every == every - 1])
+    index = np.arange(len(dataset))
+    return dataset.select(index[index % every != every - 1]), dataset.select(index[index % every == every - 1])
 
 
-def hf_documents(cfg) -> tuple[list[str], list[str], str]:
+def hf_corpus(cfg) -> Corpus:
     import datasets
 
     if not cfg.path:
         raise ValueError("data=hf needs data.path=<hub dataset name>, e.g. data.path=roneneldan/TinyStories")
-
-    def load(split: str) -> list[str]:
-        ds = datasets.load_dataset(cfg.path, cfg.config, split=split, streaming=cfg.streaming)
-        if cfg.streaming:
-            if cfg.text_column not in (ds.column_names or [cfg.text_column]):
-                raise ValueError(f"{cfg.path} has no text column {cfg.text_column!r}; its columns: {', '.join(ds.column_names)}")
-            rows = ds.take(cfg.max_documents) if cfg.max_documents else ds
-            return [row[cfg.text_column] for row in rows]
-        if cfg.max_documents:
-            ds = ds.select(range(min(cfg.max_documents, len(ds))))
-        return _column(ds, cfg.text_column, cfg.path)
-
-    train = load(cfg.split)
-    val = load(cfg.val_split) if cfg.val_split else None
-    if val is None:
+    try:
+        splits = datasets.load_dataset(cfg.path, cfg.config, streaming=cfg.streaming)
+    except Exception as e:  # not found, unreachable, bad config name: one line instead of a traceback
+        reason = (str(e).strip().splitlines() or [""])[0]
+        raise ValueError(f"data.path={cfg.path!r}: cannot load it ({type(e).__name__}: {reason})") from None
+    if cfg.split not in splits:
+        raise ValueError(f"data.split={cfg.split!r} is not a split of {cfg.path}; its splits: {', '.join(splits)}")
+    train = splits[cfg.split]
+    val = splits[cfg.val_split] if cfg.val_split in splits else None
+    if cfg.val_split and val is None:
+        print(f"data: {cfg.path} has no split {cfg.val_split!r}; holding out {cfg.val_fraction:g} of the train documents")
+    for part in (train, val):
+        if part is not None:
+            _check_column(part, cfg.text_column, cfg.path)
+    if cfg.max_documents:
+        train = train.take(cfg.max_documents) if cfg.streaming else train.select(range(min(cfg.max_documents, len(train))))
+    if val is None and not cfg.streaming:
         train, val = _hold_out(train, cfg.val_fraction)
-    return train, val, f"hf-{cfg.path}-{cfg.config}-{cfg.split}-{cfg.val_split}-{cfg.max_documents}-{cfg.text_column}"
+    if cfg.streaming and not cfg.max_tokens:
+        raise ValueError("data.streaming=true needs data.max_tokens (how many train tokens to take from the stream)")
+    return Corpus(train, val, cfg.text_column, f"hf-{cfg.path}-{cfg.config}-{cfg.split}-{cfg.val_split}-"
+                  f"{cfg.max_documents}-{cfg.text_column}-{cfg.val_fraction}", streaming=cfg.streaming)
 
 
 LOCAL_LOADERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def local_documents(cfg) -> tuple[list[str], list[str], str]:
+def local_corpus(cfg) -> Corpus:
     import datasets
 
     if not cfg.path:
@@ -99,18 +131,31 @@ def local_documents(cfg) -> tuple[list[str], list[str], str]:
     if len(kinds) > 1:
         raise ValueError(f"data.path {str(path)!r} mixes file kinds {sorted(kinds)}; use one kind")
     kind = kinds.pop()
+    if kind != "text" and (empty := [f for f in files if f.stat().st_size == 0]):
+        raise ValueError(f"data.path {str(path)!r}: {empty[0]} is empty")
     extra = {"sample_by": "document"} if kind == "text" else {}  # a .txt file is one document
     ds = datasets.load_dataset(kind, data_files=[str(f) for f in files], split="train", **extra)
-    docs = _column(ds, "text" if kind == "text" else cfg.text_column, str(path))
+    column = "text" if kind == "text" else cfg.text_column
+    _check_column(ds, column, str(path))
     if cfg.max_documents:
-        docs = docs[: cfg.max_documents]
-    train, val = _hold_out(docs, cfg.val_fraction)
+        ds = ds.select(range(min(cfg.max_documents, len(ds))))
+    train, val = _hold_out(ds, cfg.val_fraction)
     stamp = hashlib.sha1("".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files).encode())
-    return train, val, f"local-{stamp.hexdigest()}-{cfg.text_column}-{cfg.max_documents}-{cfg.val_fraction}"
+    return Corpus(train, val, column, f"local-{stamp.hexdigest()}-{column}-{cfg.max_documents}-{cfg.val_fraction}")
+
+
+def text_batches(dataset, column: str, max_bytes: int | None = None):
+    """Lists of texts from a dataset (or a stream), BATCH at a time, up to about max_bytes."""
+    seen = 0
+    for batch in dataset.iter(batch_size=BATCH):
+        yield batch[column]
+        seen += sum(len(t) for t in batch[column])
+        if max_bytes and seen >= max_bytes:
+            return
 
 
 # ---- tokenizer -------------------------------------------------------------------------------------
-def build_tokenizer(cfg, train_docs: list[str], fingerprint: str, cache: Path):
+def build_tokenizer(cfg, corpus: Corpus, cache: Path):
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     if cfg.tokenizer != "bpe":
@@ -118,7 +163,8 @@ def build_tokenizer(cfg, train_docs: list[str], fingerprint: str, cache: Path):
         if tok.eos_token is None:
             raise ValueError(f"tokenizer {cfg.tokenizer!r} has no EOS token to separate documents")
         return tok
-    key = hashlib.sha1(f"{fingerprint}-{cfg.vocab_size}".encode()).hexdigest()[:16]
+    sample = cfg.get("bpe_train_bytes")
+    key = hashlib.sha1(f"{corpus.fingerprint}-{cfg.vocab_size}-{sample}".encode()).hexdigest()[:16]
     folder = cache / "tokenizers" / key
     if not (folder / "tokenizer.json").exists():
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -130,56 +176,138 @@ def build_tokenizer(cfg, train_docs: list[str], fingerprint: str, cache: Path):
             vocab_size=cfg.vocab_size, special_tokens=[EOS], show_progress=False,
             initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         )
-        bpe.train_from_iterator(train_docs, trainer=trainer)
+        bpe.train_from_iterator(text_batches(corpus.train, corpus.column, sample), trainer=trainer)
         tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=None)
         tmp = folder.with_name(f"{key}.tmp{os.getpid()}")
         tok.save_pretrained(tmp)
-        tmp.replace(folder) if not folder.exists() else None
+        if folder.exists():  # another process finished first
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, folder)
     return PreTrainedTokenizerFast.from_pretrained(folder)
 
 
-# ---- packing ---------------------------------------------------------------------------------------
-def pack(docs: list[str], tokenizer, seq_len: int, cache_file: Path) -> torch.Tensor:
-    """Concatenate doc_1 EOS doc_2 EOS ... and cut into [N, seq_len] blocks (remainder dropped).
-    Cached as .npy (written to a temp name, then renamed)."""
-    if not cache_file.exists():
-        ids = []
-        for start in range(0, len(docs), 1000):
-            for doc in tokenizer(docs[start:start + 1000], add_special_tokens=False)["input_ids"]:
-                ids.extend(doc)
-                ids.append(tokenizer.eos_token_id)
-        n = len(ids) // seq_len
-        if n == 0:
-            raise ValueError(f"{len(ids)} tokens cannot fill one block of seq_len={seq_len}; use more data or a shorter seq_len")
-        dtype = np.uint16 if len(tokenizer) <= 65536 else np.int32
-        blocks = np.asarray(ids[: n * seq_len], dtype=dtype).reshape(n, seq_len)
-        cache_file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache_file.with_name(f"{cache_file.stem}.tmp{os.getpid()}.npy")
-        np.save(tmp, blocks)
-        tmp.replace(cache_file)
-    return torch.from_numpy(np.load(cache_file).astype(np.int64))
+# ---- token stores ----------------------------------------------------------------------------------
+def encoder(tokenizer, column: str):
+    """batched map function: each non-empty text -> its ids + EOS, and its UTF-8 byte count."""
+    eos = tokenizer.eos_token_id
+
+    def encode(batch: dict) -> dict:
+        texts = [t for t in batch[column] if t]
+        ids = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+        return {"input_ids": [x + [eos] for x in ids], "num_bytes": [len(t.encode("utf-8")) for t in texts]}
+
+    return encode
 
 
-SOURCES = {"stdlib": stdlib_documents, "hf": hf_documents, "local": local_documents}
+def arrow_chunks(tokenized):
+    """(flat ids, lengths, bytes) per arrow batch of a tokenized dataset, without Python lists."""
+    for table in tokenized.with_format("arrow").iter(batch_size=8 * BATCH):
+        ids = table.column("input_ids").combine_chunks()
+        yield ids.flatten().to_numpy(), ids.value_lengths().to_numpy(), int(np.sum(table.column("num_bytes").to_numpy()))
+
+
+def tokenize_to_store(dataset, column: str, tokenizer, folder: Path, num_proc: int, info: dict) -> TokenStore:
+    """datasets.map over the split (num_proc workers; its arrow output in a scratch folder that is
+    removed once the store is written), then the flat store."""
+    procs = max(1, min(num_proc, len(dataset) // BATCH))  # a small corpus is not worth worker processes
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f"{folder.name}.scratch") as scratch:
+        tokenized = dataset.map(encoder(tokenizer, column), batched=True, batch_size=BATCH, num_proc=procs,
+                                remove_columns=dataset.column_names, cache_file_name=str(Path(scratch) / "ids.arrow"),
+                                desc=f"tokenizing {info['split']}")
+        store = write_store(folder, arrow_chunks(tokenized), len(tokenizer), info)
+        del tokenized
+    return store
+
+
+def stream_to_stores(corpus: Corpus, tokenizer, folders: dict[str, Path], max_tokens: int, val_fraction: float,
+                     info: dict) -> dict[str, TokenStore]:
+    """A streamed corpus, tokenized on the fly: train up to max_tokens, val up to
+    val_fraction * max_tokens, from the val stream or, without one, every round(1/val_fraction)-th
+    train document."""
+    from data.store import StoreWriter
+
+    encode = encoder(tokenizer, corpus.column)
+    budget = {"train": max_tokens, "val": max(1, int(val_fraction * max_tokens))}
+    writers = {split: StoreWriter(folder, len(tokenizer), {**info, "split": split}) for split, folder in folders.items()}
+    every = max(2, round(1 / val_fraction))
+
+    def feed(stream, route, feeds: set[str]):
+        """Documents of `stream` to the split route(document number) picks, until `feeds` are full."""
+        count = 0
+        for texts in text_batches(stream, corpus.column):
+            encoded = encode({corpus.column: texts})
+            for ids, num_bytes in zip(encoded["input_ids"], encoded["num_bytes"]):
+                split = route(count)
+                if writers[split].num_tokens < budget[split]:
+                    writers[split].add(np.asarray(ids), np.array([len(ids)]), num_bytes)
+                count += 1
+            if all(writers[s].num_tokens >= budget[s] for s in feeds):
+                return
+
+    try:
+        if corpus.val is None:
+            feed(corpus.train, lambda i: "val" if i % every == every - 1 else "train", {"train", "val"})
+        else:
+            feed(corpus.train, lambda i: "train", {"train"})
+            feed(corpus.val, lambda i: "val", {"val"})
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return {split: w.finish() for split, w in writers.items()}
+
+
+def prepare_stores(cfg, corpus: Corpus, tokenizer, cache: Path) -> dict[str, TokenStore]:
+    """The train and val stores for (source, tokenizer, split): opened if complete, else (re)built."""
+    tok_id = hashlib.sha1(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:12]
+    max_tokens = cfg.get("max_tokens") if corpus.streaming else None
+    key = hashlib.sha1(f"{corpus.fingerprint}-{tok_id}-{max_tokens}-v{STORE_VERSION}".encode()).hexdigest()[:16]
+    folders = {split: cache / "stores" / f"{key}-{split}" for split in ("train", "val")}
+    stores, missing = {}, []
+    for split, folder in folders.items():
+        for leftover in folder.parent.glob(f"{folder.name}.tmp*"):  # a killed preparation's
+            shutil.rmtree(leftover, ignore_errors=True)
+        if folder.exists() and (problem := store_problem(folder)):
+            print(f"data: rebuilding the {split} token store: {problem}")
+        if folder.exists() and not store_problem(folder):
+            stores[split] = TokenStore(folder)
+        else:
+            missing.append(split)
+    if not missing:
+        return stores
+    folders[missing[0]].parent.mkdir(parents=True, exist_ok=True)
+    info = {"source": corpus.fingerprint, "tokenizer": tok_id}
+    if corpus.streaming:
+        return stream_to_stores(corpus, tokenizer, folders, max_tokens, cfg.val_fraction, info)
+    num_proc = cfg.get("num_proc") or os.cpu_count() or 1
+    for split in missing:
+        dataset = corpus.train if split == "train" else corpus.val
+        stores[split] = tokenize_to_store(dataset, corpus.column, tokenizer, folders[split], num_proc,
+                                          {**info, "split": split})
+    return stores
+
+
+SOURCES = {"stdlib": stdlib_corpus, "hf": hf_corpus, "local": local_corpus}
 
 
 def build_text_data(cfg, seq_len: int, seed: int) -> Data:
     cache = Path(cfg.cache_dir).expanduser()
-    train_docs, val_docs, fingerprint = SOURCES[cfg.name](cfg)
-    if not train_docs or not val_docs:
-        raise ValueError(f"data {cfg.name!r} gave {len(train_docs)} train and {len(val_docs)} val documents; need both")
-    tokenizer = build_tokenizer(cfg, train_docs, fingerprint, cache)
-    tok_id = hashlib.sha1(json.dumps(tokenizer.get_vocab(), sort_keys=True).encode()).hexdigest()[:12]
-    key = hashlib.sha1(f"{fingerprint}-{tok_id}-{seq_len}".encode()).hexdigest()[:16]
-    train = pack(train_docs, tokenizer, seq_len, cache / "tokens" / f"{key}-train.npy")
-    val = pack(val_docs, tokenizer, seq_len, cache / "tokens" / f"{key}-val.npy")
-    val_bytes = sum(len(d.encode("utf-8")) for d in val_docs)
-    val_tokens = sum(len(x) + 1 for x in tokenizer(val_docs, add_special_tokens=False)["input_ids"])
+    corpus = SOURCES[cfg.name](cfg)
+    tokenizer = build_tokenizer(cfg, corpus, cache)
+    stores = prepare_stores(cfg, corpus, tokenizer, cache)
+    train, val = (TokenWindows(stores[s], seq_len, cfg.document_mask) for s in ("train", "val"))
+    for split, windows in (("train", train), ("val", val)):
+        if len(windows) == 0:
+            raise ValueError(f"the {split} split's {len(windows.store)} tokens cannot fill one block of "
+                             f"seq_len={seq_len}; use more data or a shorter seq_len")
+    meta = {s: stores[s].meta for s in stores}
     return Data(
-        train=Split(train), val=Split(val), vocab_size=len(tokenizer), tokenizer=tokenizer,
-        bytes_per_token=val_bytes / val_tokens,
-        info={"train_documents": len(train_docs), "val_documents": len(val_docs),
-              "train_tokens": train.numel(), "val_tokens": val.numel()},
+        train=train, val=val, vocab_size=len(tokenizer), tokenizer=tokenizer,
+        bytes_per_token=meta["val"]["utf8_bytes"] / meta["val"]["num_tokens"],
+        info={"train_documents": meta["train"]["num_documents"], "val_documents": meta["val"]["num_documents"],
+              "train_tokens": len(train) * seq_len, "val_tokens": len(val) * seq_len,
+              "document_mask": bool(cfg.document_mask)},
     )
 
 

@@ -158,7 +158,7 @@ def load_blocks(checkpoint_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     cfg = OmegaConf.load(folder / "training_config.yaml")
     data_cfg = OmegaConf.merge(cfg.data, {"tokenizer": str(folder)}) if cfg.data.get("tokenizer") == "bpe" else cfg.data
     data = build_data(data_cfg, cfg.trainer.seq_len, cfg.seed)
-    return data.train.input_ids, data.val.input_ids
+    return tuple(split.batch(torch.arange(len(split)))["input_ids"] for split in (data.train, data.val))
 
 
 @torch.no_grad()

@@ -35,7 +35,7 @@ def evaluate_split(model, split: Split, batch_size: int, max_batches: int | None
         idx = shares[0][:batch_size] if filler else chunks[i]
         batch = {k: v.to(device) for k, v in split.batch(idx).items()}
         with autocast() if autocast else torch.autocast(device.type, enabled=False):
-            out = model(input_ids=batch["input_ids"])
+            out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"))
         logits = out.logits[:, :-1].float()
         targets = batch["labels"][:, 1:]
         token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
