@@ -148,19 +148,22 @@ def _cpu_peak_cache() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "swaplm" / "cpu_peak.json"
 
 
+def _cpu_peak_key() -> str:
+    return f"{platform.processor() or platform.machine()}|{torch.get_num_threads()}threads|torch{torch.__version__}"
+
+
 def cpu_peak(remeasure: bool = False) -> Peak:
     """The CPU's fp32 matmul peak for the current thread count: the cached quiet measurement, else
     one measured now (cached if the cores were quiet). remeasure=True measures again and keeps the
     higher of that and the cache. Entries of the old format (a bare number, possibly measured under
     load) are not trusted and are measured again."""
-    threads = torch.get_num_threads()
-    key = f"{platform.processor() or platform.machine()}|{threads}threads|torch{torch.__version__}"
+    key = _cpu_peak_key()
     if key in _cpu_peak_memo and not remeasure:
         return _cpu_peak_memo[key]
     path = _cpu_peak_cache()
     cache = json.loads(path.read_text()) if path.exists() else {}
     entry = cache.get(key) if isinstance(cache.get(key), dict) else None
-    what = f"CPU fp32 1024^3 matmul, {threads} threads"
+    what = f"CPU fp32 1024^3 matmul, {torch.get_num_threads()} threads"
     if entry is not None and not remeasure:
         peak = Peak(entry["flops"], f"{what}, cached {entry['measured_at']} in {path}", "cpu")
     else:
