@@ -103,6 +103,7 @@ def test_recheck_remeasures_only_an_implausible_cpu_peak(cpu_cache):
     assert perf.recheck_peak(peak, 20e9) is peak  # MFU 0.67: plausible
     rechecked = perf.recheck_peak(peak, 60e9)  # MFU 2.0: the peak was measured under load
     assert rechecked.flops == 200e9 and cpu_cache["calls"] == 2
+    assert perf.recheck_peak(rechecked, 400e9) is rechecked and cpu_cache["calls"] == 2  # once per run
     gpu = perf.gpu_peak("NVIDIA H200", "bf16")
     assert perf.recheck_peak(gpu, 2e15) is gpu and cpu_cache["calls"] == 2
 

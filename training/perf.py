@@ -16,7 +16,7 @@ import os
 import platform
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -58,6 +58,7 @@ class Peak:
     flops: float | None
     source: str
     device_type: str = "cuda"
+    remeasured: bool = False  # a CPU peak measured again after an implausible MFU (recheck_peak does it once)
 
     def describe(self) -> str:
         if self.flops is None:
@@ -127,7 +128,7 @@ def others_busy_cores(before, after) -> float:
     return max(busy - own, 0) * after[3] / total if total > 0 else 0.0
 
 
-def measure_cpu_peak(samples: int = 5, gap_s: float = 0.2) -> tuple[float, float | None]:
+def measure_cpu_peak(samples: int = 5, gap_s: float = 0.1) -> tuple[float, float | None]:
     """(best fp32 matmul FLOP/s of `samples` runs spaced gap_s apart, cores other processes kept
     busy meanwhile, None where unknown)."""
     before = read_cpu_ticks()
@@ -182,6 +183,7 @@ def cpu_peak(remeasure: bool = False) -> Peak:
             peak = Peak(flops, f"{what}, measured now ({load}), cached in {path}", "cpu")
         else:
             peak = Peak(flops, f"{what}, measured now ({load}: not cached, MFU may read high)", "cpu")
+    peak = replace(peak, remeasured=remeasure)
     _cpu_peak_memo[key] = peak
     return peak
 
@@ -200,8 +202,8 @@ def device_peak_flops(device: torch.device, bf16: bool) -> float | None:
 
 def recheck_peak(peak: Peak, achieved_flops: float) -> Peak:
     """The peak to report MFU against once a device achieved `achieved_flops` FLOP/s: on CPU an MFU
-    above 1 means the peak was measured under load, so it is measured again; otherwise unchanged."""
-    if peak.device_type != "cpu" or peak.flops is None or achieved_flops <= peak.flops:
+    above 1 means the peak was measured under load, so it is measured again (once); otherwise unchanged."""
+    if peak.device_type != "cpu" or peak.flops is None or peak.remeasured or achieved_flops <= peak.flops:
         return peak
     return cpu_peak(remeasure=True)
 
