@@ -61,7 +61,7 @@ class Run:
     scheduler: object
     micro: int             # sequences per process per micro-step
     flops_per_token: float  # training (forward + backward)
-    peak_flops: float | None  # of all processes together
+    peak: object           # training.perf.Peak of one device (MFU = achieved per device / peak.flops)
     step: int
     t_origin: float        # time/elapsed counts from here (moved back on resume)
     last_ckpt: Path | None
@@ -80,7 +80,7 @@ def setup(cfg: DictConfig) -> Run:
     from model import DecoderLM
     from training import checkpoint as ckpt
     from training.optim import build_optimizer, build_scheduler
-    from training.perf import device_peak_flops
+    from training.perf import device_peak
 
     t_start = time.time()
     tc = cfg.trainer
@@ -143,10 +143,10 @@ def setup(cfg: DictConfig) -> Run:
             "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
             "data": cfg.data.name, "data_info": data.info, "group": cfg.logger.get("group")}, indent=1))
 
-    peak = device_peak_flops(accelerator.device, bf16=accelerator.mixed_precision == "bf16")
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
               optimizers=[optimizer.optimizer], scheduler=scheduler, micro=micro,
-              flops_per_token=3 * lm.flops_per_token(tc.seq_len), peak_flops=peak * world if peak else None,
+              flops_per_token=3 * lm.flops_per_token(tc.seq_len),
+              peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
               step=0, t_origin=t_start, last_ckpt=None)
     resume_from = resolve_resume_on_main(accelerator, cfg.resume, run_dir)
     if resume_from is not None:
@@ -159,6 +159,7 @@ def setup(cfg: DictConfig) -> Run:
         f"run_dir {run_dir} | {counts['total'] / 1e6:.2f}M params ({counts['active'] / 1e6:.2f}M active) | "
         f"layers {lm.config.layer_mixers} x {lm.config.layer_ffns} | {len(data.train)} train / "
         f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}")
+    accelerator.print(run.peak.describe())
     return run
 
 
@@ -270,12 +271,15 @@ def train(cfg: DictConfig) -> float:
 
     from training.checkpoint import StopFlag
     from training.metrics import Meter, MetricsWriter
-    from training.perf import peak_memory_gb
+    from training.perf import ContentionMonitor, peak_memory_gb, recheck_peak
 
     run = setup(cfg)
     a, tc = run.accelerator, cfg.trainer
     metrics = MetricsWriter(a, run.run_dir, cfg.logger.name == "wandb")
     meter, stop, log = Meter(), StopFlag(), {}
+    contention = ContentionMonitor() if a.device.type == "cpu" and a.is_main_process else None
+    if contention and (warning := contention.check()):
+        a.print(warning)
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not a.is_main_process, dynamic_ncols=True)
     run.model.train()
     while run.step < tc.max_steps:
@@ -294,7 +298,15 @@ def train(cfg: DictConfig) -> float:
         step, last = run.step, run.step == tc.max_steps
         log = {}
         if step % tc.log_every == 0 or last:
-            log.update(meter.row(run.tokens_per_step, run.flops_per_token, run.peak_flops))
+            log.update(meter.row(run.tokens_per_step, run.flops_per_token))
+            achieved = log["perf/tflops"] * 1e12 / a.num_processes  # per device
+            if (peak := recheck_peak(run.peak, achieved)) is not run.peak:
+                run.peak = peak
+                a.print(peak.describe())
+            if run.peak.flops:
+                log["perf/mfu"] = achieved / run.peak.flops
+            if contention and (warning := contention.after_window(log["perf/tokens_per_sec"])):
+                bar.write(warning)
             log.update({"lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                         "perf/peak_mem_gb": peak_memory_gb(a.device), "time/elapsed": time.time() - run.t_origin})
         if step % tc.eval_every == 0 or last:

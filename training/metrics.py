@@ -73,14 +73,13 @@ class Meter:
         for k, v in aux.items():
             self.aux[k] = self.aux.get(k, 0) + v
 
-    def row(self, tokens_per_step: int, flops_per_token: float, peak_flops: float | None) -> dict:
-        """Means over the window (and throughput over its wall time); then the window restarts."""
+    def row(self, tokens_per_step: int, flops_per_token: float) -> dict:
+        """Means over the window (and throughput over its wall time, all processes together); then
+        the window restarts."""
         n = self.steps
         tok_s = tokens_per_step * n / self.seconds
         out = {"train/loss": self.loss / n, "train/ppl": perplexity(self.loss / n), "perf/tokens_per_sec": tok_s,
                "perf/step_time": self.seconds / n, "perf/tflops": flops_per_token * tok_s / 1e12,
                **{k: v / n for k, v in self.aux.items()}}
-        if peak_flops:
-            out["perf/mfu"] = flops_per_token * tok_s / peak_flops
         self.__init__()
         return out

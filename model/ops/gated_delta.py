@@ -178,7 +178,8 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     if q.is_cuda:
         fla_rec = _fla("fused_recurrent_gated_delta_rule")
         if fla_rec is not None:
-            return fla_rec(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            # keywords: fla's signature is (q, k, v, g, gk, gv, beta, ...)
+            return fla_rec(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                            output_final_state=output_final_state)
     B, T, H, K = k.shape
     V = v.shape[-1]

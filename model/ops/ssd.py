@@ -6,7 +6,10 @@ Per head h (group g = h // (H / G)), state h_t [P, N]:
 x [B, T, H, P], dt [B, T, H], A [H], B, C [B, T, G, N], D [H] or [H, P], z [B, T, H, P],
 state [B, H, P, N]. This is linear attention with a scalar decay (q = C, k = B, v = dt x,
 log-decay dt A, scale 1), so the chunked form is linear_attention.chunk_scalar_decay.
-On CUDA tensors, when mamba_ssm imports, its fused Triton kernel runs instead.
+On CUDA tensors, when fla imports, that same recurrence runs in fla's chunk_simple_gla Triton kernel
+(q = C, k = B repeated to the H heads, v = dt x, g = dt A, state [V, K] = [P, N]). mamba_ssm's
+mamba_chunk_scan_combined is the other kernel for it, but its PyPI release is a source package whose
+build downloads a prebuilt wheel from outside PyPI or compiles CUDA, and it pins Mamba-3's deps.
 """
 import torch
 import torch.nn.functional as F
@@ -14,9 +17,9 @@ import torch.nn.functional as F
 from model.ops.linear_attention import chunk_scalar_decay, compute_dtype
 
 
-def _mamba_kernel():
+def _fla_simple_gla():
     try:
-        from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined as kernel
+        from fla.ops.simple_gla import chunk_simple_gla as kernel
     except ImportError:
         return None
     return kernel
@@ -46,16 +49,22 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=No
                      dt_softplus: bool = False, initial_states=None, return_final_states: bool = False):
     """SSD over a sequence (see module docstring). Returns y [B, T, H, P] in x's dtype, and with
     return_final_states also the final state [B, H, P, N] in fp32 (float64 for float64 inputs)."""
-    kernel = _mamba_kernel() if x.is_cuda else None
-    if kernel is not None:
-        return kernel(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-                      dt_softplus=dt_softplus, return_final_states=return_final_states)
     xc, dt, A = _discretise(x, dt, A, dt_bias, dt_softplus)
     ct = xc.dtype
-    h0 = None if initial_states is None else initial_states.to(ct).transpose(-1, -2)  # -> [B, H, N, P]
-    y, state = chunk_scalar_decay(C.to(ct), B.to(ct), xc * dt[..., None], dt * A, 1.0, chunk_size, h0)
+    kernel = _fla_simple_gla() if x.is_cuda else None
+    if kernel is not None:  # its own chunk size (64); q, k, v in x's dtype, g and the state in fp32
+        rep = x.shape[2] // B.shape[2]
+        q, k = (t.repeat_interleave(rep, dim=2).to(x.dtype) for t in (C, B))
+        y, state = kernel(q, k, (xc * dt[..., None]).to(x.dtype), g=dt * A, scale=1.0,
+                          initial_state=None if initial_states is None else initial_states.to(ct),
+                          output_final_state=return_final_states, state_v_first=True)
+        y, state = y.to(ct), (None if state is None else state.to(ct))
+    else:
+        h0 = None if initial_states is None else initial_states.to(ct).transpose(-1, -2)  # -> [B, H, N, P]
+        y, state = chunk_scalar_decay(C.to(ct), B.to(ct), xc * dt[..., None], dt * A, 1.0, chunk_size, h0)
+        state = state.transpose(-1, -2)
     y = _skip_and_gate(y, xc, D, z).to(x.dtype)
-    return (y, state.transpose(-1, -2)) if return_final_states else y
+    return (y, state) if return_final_states else y
 
 
 def mamba_state_step(x, dt, A, B, C, state, D=None, z=None, dt_bias=None, dt_softplus: bool = False):
