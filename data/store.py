@@ -16,8 +16,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Iterable
-
 import numpy as np
 import torch
 
@@ -62,6 +60,8 @@ class StoreWriter:
 
     def add(self, flat_ids: np.ndarray, lengths: np.ndarray, utf8_bytes: int) -> None:
         """Documents given as their concatenated token ids (EOS included) and their lengths."""
+        if len(lengths) == 0:
+            return
         starts = self.num_tokens + np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.int64)
         self.tokens.write(np.asarray(flat_ids, dtype=self.dtype).tobytes())
         self.starts.write(starts.tobytes())
@@ -87,19 +87,6 @@ class StoreWriter:
         self.tokens.close()
         self.starts.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def write_store(folder: Path, chunks: Iterable[tuple[np.ndarray, np.ndarray, int]], vocab_size: int,
-                info: dict) -> "TokenStore":
-    """A store from (flat ids, lengths, UTF-8 bytes) chunks; nothing is left behind on failure."""
-    writer = StoreWriter(folder, vocab_size, info)
-    try:
-        for flat_ids, lengths, utf8_bytes in chunks:
-            writer.add(flat_ids, lengths, utf8_bytes)
-    except BaseException:
-        writer.abort()
-        raise
-    return writer.finish()
 
 
 class TokenStore:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from data.registry import DATASETS
-from data.store import STORE_VERSION, TokenStore, TokenWindows, store_problem, write_store
+from data.store import STORE_VERSION, StoreWriter, TokenStore, TokenWindows, store_problem
 from data.types import Data
 
 EOS = "<|endoftext|>"
@@ -77,13 +77,6 @@ def _check_column(dataset, column: str, where: str) -> None:
         raise ValueError(f"{where} has no text column {column!r}; its columns: {', '.join(names)}")
 
 
-def _hold_out(dataset, fraction: float):
-    """Every round(1/fraction)-th document goes to val (deterministic, order-preserving)."""
-    every = max(2, round(1 / fraction))
-    index = np.arange(len(dataset))
-    return dataset.select(index[index % every != every - 1]), dataset.select(index[index % every == every - 1])
-
-
 def hf_corpus(cfg) -> Corpus:
     import datasets
 
@@ -105,8 +98,6 @@ def hf_corpus(cfg) -> Corpus:
             _check_column(part, cfg.text_column, cfg.path)
     if cfg.max_documents:
         train = train.take(cfg.max_documents) if cfg.streaming else train.select(range(min(cfg.max_documents, len(train))))
-    if val is None and not cfg.streaming:
-        train, val = _hold_out(train, cfg.val_fraction)
     if cfg.streaming and not cfg.max_tokens:
         raise ValueError("data.streaming=true needs data.max_tokens (how many train tokens to take from the stream)")
     return Corpus(train, val, cfg.text_column, f"hf-{cfg.path}-{cfg.config}-{cfg.split}-{cfg.val_split}-"
@@ -139,9 +130,8 @@ def local_corpus(cfg) -> Corpus:
     _check_column(ds, column, str(path))
     if cfg.max_documents:
         ds = ds.select(range(min(cfg.max_documents, len(ds))))
-    train, val = _hold_out(ds, cfg.val_fraction)
     stamp = hashlib.sha1("".join(f"{f}:{f.stat().st_size}:{f.stat().st_mtime_ns};" for f in files).encode())
-    return Corpus(train, val, column, f"local-{stamp.hexdigest()}-{column}-{cfg.max_documents}-{cfg.val_fraction}")
+    return Corpus(ds, None, column, f"local-{stamp.hexdigest()}-{column}-{cfg.max_documents}-{cfg.val_fraction}")
 
 
 def text_batches(dataset, column: str, max_bytes: int | None = None):
@@ -200,40 +190,52 @@ def encoder(tokenizer, column: str):
     return encode
 
 
-def arrow_chunks(tokenized):
-    """(flat ids, lengths, bytes) per arrow batch of a tokenized dataset, without Python lists."""
+def held_out(first: int, count: int, every: int) -> np.ndarray:
+    """Which of documents first .. first + count - 1 go to val: every `every`-th (deterministic)."""
+    return (first + np.arange(count)) % every == every - 1
+
+
+def write_stores(folders: dict[str, Path], vocab_size: int, info: dict, feed) -> dict[str, TokenStore]:
+    """feed(writers) adds documents to the {split: StoreWriter}; then every store is finished, or on
+    any failure every temp folder removed."""
+    writers = {split: StoreWriter(folder, vocab_size, {**info, "split": split}) for split, folder in folders.items()}
+    try:
+        feed(writers)
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    return {split: w.finish() for split, w in writers.items()}
+
+
+def map_into(writers: dict, dataset, column: str, tokenizer, num_proc: int, every: int | None, scratch: Path) -> None:
+    """datasets.map (batched, num_proc workers, its arrow output under `scratch`) over the dataset,
+    then its arrow batches, without Python lists, into the first writer (and, with `every`, every
+    `every`-th document into writers["val"])."""
+    procs = max(1, min(num_proc, len(dataset) // BATCH))  # a small corpus is not worth worker processes
+    tokenized = dataset.map(encoder(tokenizer, column), batched=True, batch_size=BATCH, num_proc=procs,
+                            remove_columns=dataset.column_names, cache_file_name=str(scratch / "ids.arrow"),
+                            desc="tokenizing")
+    target = next(iter(writers))
+    seen = 0
     for table in tokenized.with_format("arrow").iter(batch_size=8 * BATCH):
         ids = table.column("input_ids").combine_chunks()
-        yield ids.flatten().to_numpy(), ids.value_lengths().to_numpy(), int(np.sum(table.column("num_bytes").to_numpy()))
+        num_bytes = table.column("num_bytes").to_numpy()
+        to_val = held_out(seen, len(ids), every) if every else np.zeros(len(ids), dtype=bool)
+        for split, rows in ((target, ~to_val), ("val", to_val)):
+            if rows.any():
+                part = ids.filter(rows)
+                writers[split].add(part.flatten().to_numpy(), part.value_lengths().to_numpy(), num_bytes[rows].sum())
+        seen += len(ids)
 
 
-def tokenize_to_store(dataset, column: str, tokenizer, folder: Path, num_proc: int, info: dict) -> TokenStore:
-    """datasets.map over the split (num_proc workers; its arrow output in a scratch folder that is
-    removed once the store is written), then the flat store."""
-    procs = max(1, min(num_proc, len(dataset) // BATCH))  # a small corpus is not worth worker processes
-    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f"{folder.name}.scratch") as scratch:
-        tokenized = dataset.map(encoder(tokenizer, column), batched=True, batch_size=BATCH, num_proc=procs,
-                                remove_columns=dataset.column_names, cache_file_name=str(Path(scratch) / "ids.arrow"),
-                                desc=f"tokenizing {info['split']}")
-        store = write_store(folder, arrow_chunks(tokenized), len(tokenizer), info)
-        del tokenized
-    return store
-
-
-def stream_to_stores(corpus: Corpus, tokenizer, folders: dict[str, Path], max_tokens: int, val_fraction: float,
-                     info: dict) -> dict[str, TokenStore]:
+def stream_into(writers: dict, corpus: Corpus, tokenizer, max_tokens: int, val_fraction: float, every: int) -> None:
     """A streamed corpus, tokenized on the fly: train up to max_tokens, val up to
-    val_fraction * max_tokens, from the val stream or, without one, every round(1/val_fraction)-th
-    train document."""
-    from data.store import StoreWriter
-
+    val_fraction * max_tokens, from the val stream or, without one, every `every`-th train document."""
     encode = encoder(tokenizer, corpus.column)
     budget = {"train": max_tokens, "val": max(1, int(val_fraction * max_tokens))}
-    writers = {split: StoreWriter(folder, len(tokenizer), {**info, "split": split}) for split, folder in folders.items()}
-    every = max(2, round(1 / val_fraction))
 
     def feed(stream, route, feeds: set[str]):
-        """Documents of `stream` to the split route(document number) picks, until `feeds` are full."""
         count = 0
         for texts in text_batches(stream, corpus.column):
             encoded = encode({corpus.column: texts})
@@ -245,17 +247,11 @@ def stream_to_stores(corpus: Corpus, tokenizer, folders: dict[str, Path], max_to
             if all(writers[s].num_tokens >= budget[s] for s in feeds):
                 return
 
-    try:
-        if corpus.val is None:
-            feed(corpus.train, lambda i: "val" if i % every == every - 1 else "train", {"train", "val"})
-        else:
-            feed(corpus.train, lambda i: "train", {"train"})
-            feed(corpus.val, lambda i: "val", {"val"})
-    except BaseException:
-        for w in writers.values():
-            w.abort()
-        raise
-    return {split: w.finish() for split, w in writers.items()}
+    if corpus.val is None:
+        feed(corpus.train, lambda i: "val" if i % every == every - 1 else "train", {"train", "val"})
+    else:
+        feed(corpus.train, lambda i: "train", {"train"})
+        feed(corpus.val, lambda i: "val", {"val"})
 
 
 def prepare_stores(cfg, corpus: Corpus, tokenizer, cache: Path) -> dict[str, TokenStore]:
@@ -264,27 +260,33 @@ def prepare_stores(cfg, corpus: Corpus, tokenizer, cache: Path) -> dict[str, Tok
     max_tokens = cfg.get("max_tokens") if corpus.streaming else None
     key = hashlib.sha1(f"{corpus.fingerprint}-{tok_id}-{max_tokens}-v{STORE_VERSION}".encode()).hexdigest()[:16]
     folders = {split: cache / "stores" / f"{key}-{split}" for split in ("train", "val")}
-    stores, missing = {}, []
+    stores = {}
     for split, folder in folders.items():
-        for leftover in folder.parent.glob(f"{folder.name}.tmp*"):  # a killed preparation's
+        for leftover in folder.parent.glob(f"{folder.name}.*"):  # a killed preparation's temp or scratch folder
             shutil.rmtree(leftover, ignore_errors=True)
-        if folder.exists() and (problem := store_problem(folder)):
+        if not folder.exists():
+            continue
+        if problem := store_problem(folder):
             print(f"data: rebuilding the {split} token store: {problem}")
-        if folder.exists() and not store_problem(folder):
-            stores[split] = TokenStore(folder)
         else:
-            missing.append(split)
-    if not missing:
+            stores[split] = TokenStore(folder)
+    if len(stores) == len(folders):
         return stores
-    folders[missing[0]].parent.mkdir(parents=True, exist_ok=True)
+    # A held-out val split comes from the same pass as train, so the two are written together.
+    missing = {s: f for s, f in folders.items() if s not in stores or corpus.val is None}
+    folders["train"].parent.mkdir(parents=True, exist_ok=True)
     info = {"source": corpus.fingerprint, "tokenizer": tok_id}
+    every = max(2, round(1 / cfg.val_fraction))
     if corpus.streaming:
-        return stream_to_stores(corpus, tokenizer, folders, max_tokens, cfg.val_fraction, info)
+        return write_stores(missing, len(tokenizer), info,
+                            lambda w: stream_into(w, corpus, tokenizer, max_tokens, cfg.val_fraction, every))
     num_proc = cfg.get("num_proc") or os.cpu_count() or 1
-    for split in missing:
+    passes = [("train", missing)] if corpus.val is None else [(s, {s: f}) for s, f in missing.items()]
+    for split, targets in passes:
         dataset = corpus.train if split == "train" else corpus.val
-        stores[split] = tokenize_to_store(dataset, corpus.column, tokenizer, folders[split], num_proc,
-                                          {**info, "split": split})
+        with tempfile.TemporaryDirectory(dir=folders[split].parent, prefix=f"{folders[split].name}.scratch") as scratch:
+            stores.update(write_stores(targets, len(tokenizer), info, lambda w: map_into(
+                w, dataset, corpus.column, tokenizer, num_proc, every if corpus.val is None else None, Path(scratch))))
     return stores
 
 
