@@ -6,12 +6,15 @@ Per head h (group g = h // (H / G)), state h_t [P, N]:
 x [B, T, H, P], dt [B, T, H], A [H], B, C [B, T, G, N], D [H] or [H, P], z [B, T, H, P],
 state [B, H, P, N]. This is linear attention with a scalar decay (q = C, k = B, v = dt x,
 log-decay dt A, scale 1), so the chunked form is linear_attention.chunk_scalar_decay.
-On CUDA tensors, when mamba_ssm imports, its fused Triton kernel runs instead.
+On CUDA tensors, when mamba_ssm imports, its fused Triton kernel runs instead. cu_seqlens (fla's
+convention, model/ops/varlen.py; mamba_ssm's seq_idx on CUDA): a batch-1 row of several sequences,
+each starting from a zero state.
 """
 import torch
 import torch.nn.functional as F
 
 from model.ops.linear_attention import chunk_scalar_decay, compute_dtype
+from model.ops.varlen import sequence_ids
 
 
 def _mamba_kernel():
@@ -43,17 +46,24 @@ def _skip_and_gate(y, x, D, z):
 
 
 def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
-                     dt_softplus: bool = False, initial_states=None, return_final_states: bool = False):
+                     dt_softplus: bool = False, initial_states=None, return_final_states: bool = False,
+                     cu_seqlens=None):
     """SSD over a sequence (see module docstring). Returns y [B, T, H, P] in x's dtype, and with
-    return_final_states also the final state [B, H, P, N] in fp32 (float64 for float64 inputs)."""
+    return_final_states also the final state [B, H, P, N] ([N_seq, H, P, N] with cu_seqlens) in fp32
+    (float64 for float64 inputs)."""
     kernel = _mamba_kernel() if x.is_cuda else None
+    if kernel is not None and cu_seqlens is not None:  # seq_idx resets the state; varlen states are per sequence
+        seq_idx = sequence_ids(cu_seqlens)[None].to(torch.int32)
+        return kernel(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+                      seq_idx=seq_idx, cu_seqlens=cu_seqlens, dt_softplus=dt_softplus,
+                      return_varlen_states=return_final_states)
     if kernel is not None:
         return kernel(x, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
                       dt_softplus=dt_softplus, return_final_states=return_final_states)
     xc, dt, A = _discretise(x, dt, A, dt_bias, dt_softplus)
     ct = xc.dtype
     h0 = None if initial_states is None else initial_states.to(ct).transpose(-1, -2)  # -> [B, H, N, P]
-    y, state = chunk_scalar_decay(C.to(ct), B.to(ct), xc * dt[..., None], dt * A, 1.0, chunk_size, h0)
+    y, state = chunk_scalar_decay(C.to(ct), B.to(ct), xc * dt[..., None], dt * A, 1.0, chunk_size, h0, cu_seqlens)
     y = _skip_and_gate(y, xc, D, z).to(x.dtype)
     return (y, state.transpose(-1, -2)) if return_final_states else y
 
