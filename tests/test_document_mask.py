@@ -16,6 +16,7 @@ from model.layers import DocumentSegments
 from model.ops.gated_delta import chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule
 from model.ops.linear_attention import chunk_linear_attn
 from model.ops.ssd import mamba_chunk_scan
+from model.ops.varlen import sequence_cumsum
 
 f64 = torch.float64
 CU = torch.tensor([0, 5, 6, 20, 21, 37])  # lengths 5, 1, 14, 1, 16: none a multiple of the chunk (4)
@@ -196,3 +197,12 @@ def test_dsa_refuses_document_masking():
                                attention="dsa"))
     with pytest.raises(ValueError, match="not yet supported for dsa"):
         model(input_ids=torch.zeros(2, 16, dtype=torch.long), position_ids=POSITIONS)
+
+
+def test_sequence_cumsum_keeps_fp32_precision_late_in_a_long_row():
+    x = torch.rand(1, 65536, 4, generator=torch.Generator().manual_seed(0)) + 0.5
+    cu = torch.tensor([0, 60000, 60001, 65536])
+    ref = torch.cat([x[:, a:b].double().cumsum(1) for a, b in zip(cu.tolist(), cu.tolist()[1:])], 1)
+    got = sequence_cumsum(x, cu)
+    assert got.dtype == torch.float32
+    assert ((got.double() - ref).abs() / ref).max() < 1e-6  # a float32 cumsum minus its prefix: ~1e-3 here

@@ -21,10 +21,12 @@ def positions_in_sequences(cu_seqlens: torch.Tensor) -> torch.Tensor:
 
 
 def sequence_cumsum(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """Cumulative sum along dim 1 of x [1, T, ...] restarting at each sequence start."""
-    total = x.cumsum(1)
-    before = (total - x)[:, cu_seqlens[:-1]]  # the running sum just before each sequence
-    return total - before[:, sequence_ids(cu_seqlens)]
+    """Cumulative sum along dim 1 of x [1, T, ...] restarting at each sequence start: the running sum
+    over the whole row minus its value before the sequence, in fp64 so that the difference of two
+    large prefix sums keeps x's precision."""
+    total = x.to(torch.float64).cumsum(1)
+    before = total[:, cu_seqlens[:-1]] - x[:, cu_seqlens[:-1]].to(torch.float64)  # the sum before each sequence
+    return (total - before[:, sequence_ids(cu_seqlens)]).to(x.dtype)
 
 
 @dataclass
