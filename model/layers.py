@@ -1,11 +1,13 @@
 """Pieces shared by several blocks: norms, rotary embedding, the causal short convolution,
-the dt initialiser used by the gated linear mixers, and the aux-loss channel.
+the dt initialiser used by the gated linear mixers, the aux-loss channel and the document segments
+of a packed batch.
 
 Modules with parameters that need a non-standard init define `init_parameters()`, which
 `DecoderLM._init_weights` calls; it must use `transformers.initialization` (so that weights loaded by
 `from_pretrained` are never overwritten).
 """
 import math
+from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -46,8 +48,70 @@ class AuxCollector:
         return out
 
 
+def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
+    """x in fp32 (half inputs) or its own dtype (fp32, fp64): where norms and gates compute."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+class DocumentSegments:
+    """The document segments of a packed batch [B, T], from position_ids (0 at the first token of
+    each segment, +1 within it; t = 0 always starts one, so a row may begin mid-document). Built
+    once per forward and shared by all layers; each mixer reads what it needs:
+
+    position_ids [B, T]: the rotary positions;
+    cu_seqlens [S + 1]: the segments of the flattened [1, B T] row (fla's convention) for the
+        recurrent ops, which restart their state at each;
+    attention_mask: same-segment and causal, [B, 1, T, T] bool for SDPA on CPU, a FlexAttention
+        BlockMask on CUDA;
+    conv_crossings(W): the (row, token, lag) taps of a width-W causal conv that reach back across
+        their token's segment start, which ShortConv subtracts.
+    """
+
+    def __init__(self, position_ids: torch.Tensor):
+        B, T = position_ids.shape
+        self.position_ids = position_ids
+        self.starts = position_ids == 0
+        self.starts[:, 0] = True
+        self.cu_seqlens = F.pad(self.starts.flatten().nonzero()[:, 0], (0, 1), value=B * T)
+        self._conv_crossings: dict[int, tuple] = {}
+
+    @cached_property
+    def segment_ids(self) -> torch.Tensor:
+        """[B, T]: the index of each token's segment within its row."""
+        return self.starts.cumsum(1)
+
+    @cached_property
+    def attention_mask(self):
+        seg = self.segment_ids
+        B, T = seg.shape
+        if seg.is_cuda:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def same_document_causal(b, h, q_idx, kv_idx):
+                return (seg[b, q_idx] == seg[b, kv_idx]) & (q_idx >= kv_idx)
+
+            return create_block_mask(same_document_causal, B, None, T, T, device=seg.device)
+        causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
+        return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+
+    def conv_crossings(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if width not in self._conv_crossings:
+            B, T = self.starts.shape
+            t = torch.arange(T, device=self.starts.device)
+            pos = t - torch.where(self.starts, t, 0).cummax(1).values  # position within the segment
+            taps = [((pos < lag) & (t >= lag)).nonzero() for lag in range(1, width)]  # t < lag: the zero padding
+            lags = torch.cat([torch.full((len(tap),), lag, device=t.device) for lag, tap in enumerate(taps, 1)])
+            b, tok = torch.cat(taps).unbind(1)
+            self._conv_crossings[width] = (b, tok, lags)
+        return self._conv_crossings[width]
+
+    def flatten(self, x: torch.Tensor) -> torch.Tensor:
+        """[B, T, ...] -> [1, B T, ...], the layout cu_seqlens indexes."""
+        return x.reshape(1, -1, *x.shape[2:])
+
+
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32."""
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (fp64 for fp64 inputs)."""
 
     def __init__(self, dim: int, eps: float = 1e-6):
         super().__init__()
@@ -56,7 +120,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x = x.float()
+        x = at_least_fp32(x)
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(dtype)
 
@@ -74,8 +138,8 @@ class GatedRMSNorm(RMSNorm):
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.norm_before_gate:
-            return super().forward(x) * F.silu(gate.float()).to(x.dtype)
-        return super().forward((x.float() * F.silu(gate.float())).to(x.dtype))
+            return super().forward(x) * F.silu(at_least_fp32(gate)).to(x.dtype)
+        return super().forward((at_least_fp32(x) * F.silu(at_least_fp32(gate))).to(x.dtype))
 
 
 class RotaryEmbedding:
@@ -86,18 +150,22 @@ class RotaryEmbedding:
         self.dim = dim
         self.theta = theta
 
-    def cos_sin(self, offset: int, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    def cos_sin(self, offset: int, length: int, device, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [T, dim] at positions offset..offset+length-1."""
+        return self.cos_sin_at(torch.arange(offset, offset + length, device=device), dtype)
+
+    def cos_sin_at(self, positions: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [..., dim] at integer positions [...] (e.g. [B, T] position_ids), angles in dtype."""
         # Computed per call (no buffer): cheap, and nothing for from_pretrained to leave uninitialised.
-        inv_freq = self.theta ** (-torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim)
-        pos = torch.arange(offset, offset + length, device=device, dtype=torch.float32)
-        freqs = torch.outer(pos, inv_freq)
-        emb = torch.cat([freqs, freqs], dim=-1)  # [T, dim]
+        inv_freq = self.theta ** (-torch.arange(0, self.dim, 2, device=positions.device, dtype=dtype) / self.dim)
+        freqs = positions.to(dtype)[..., None] * inv_freq
+        emb = torch.cat([freqs, freqs], dim=-1)
         return emb.cos(), emb.sin()
 
     def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, T, H, D] with D >= dim; cos, sin [T, dim]."""
+        """x [B, T, H, D] with D >= dim; cos, sin [T, dim] or [B, T, dim]."""
         rot, rest = x[..., : self.dim], x[..., self.dim :]
-        cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+        cos, sin = cos[..., None, :].to(x.dtype), sin[..., None, :].to(x.dtype)
         half = self.dim // 2
         rotated = torch.cat([-rot[..., half:], rot[..., :half]], dim=-1)
         out = rot * cos + rotated * sin
@@ -107,8 +175,10 @@ class RotaryEmbedding:
 class ShortConv(nn.Module):
     """Depthwise causal 1-D convolution over time + SiLU (the short conv of Mamba2 / GDN).
 
-    forward(x [B, T, C], cache, key) -> y [B, T, C]. With a cache dict, the last (kernel - 1) inputs
-    are kept under `key` so decoding continues exactly where the previous call stopped.
+    forward(x [B, T, C], cache, key, segments) -> y [B, T, C]. With a cache dict, the last (kernel - 1)
+    inputs are kept under `key` so decoding continues exactly where the previous call stopped. With
+    DocumentSegments, the taps that reach across a segment start are subtracted (only the first
+    kernel - 1 tokens of each segment have any).
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: bool = True):
@@ -118,16 +188,22 @@ class ShortConv(nn.Module):
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias,
                               padding=0)
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None, key: str = "conv") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, key: str = "conv",
+                segments: DocumentSegments | None = None) -> torch.Tensor:
         B, T, C = x.shape
-        x = x.transpose(1, 2)  # [B, C, T]
+        W = self.kernel_size
+        xt = x.transpose(1, 2)  # [B, C, T]
         past = cache.get(key) if cache is not None else None
         if past is None:
-            past = x.new_zeros(B, C, self.kernel_size - 1)
-        xp = torch.cat([past.to(x.dtype), x], dim=-1)
+            past = xt.new_zeros(B, C, W - 1)
+        xp = torch.cat([past.to(xt.dtype), xt], dim=-1)
         if cache is not None:
-            cache[key] = xp[..., -(self.kernel_size - 1):].detach()
+            cache[key] = xp[..., -(W - 1):].detach()
         y = F.conv1d(xp, self.conv.weight, self.conv.bias, groups=C).transpose(1, 2)
+        if segments is not None and W > 1:  # y_t = b + sum_lag w[W - 1 - lag] x_{t - lag}: drop lags before the segment
+            b, t, lag = segments.conv_crossings(W)
+            leak = x[b, t - lag] * self.conv.weight[:, 0, :].T[W - 1 - lag]
+            y = y.index_put((b, t), -leak, accumulate=True)
         return F.silu(y) if self.activation else y
 
 

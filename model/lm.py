@@ -15,7 +15,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from model.config import LMConfig
 from model.ffn import FFNS
-from model.layers import AuxCollector, RMSNorm
+from model.layers import AuxCollector, DocumentSegments, RMSNorm, at_least_fp32
 from model.mixers import MIXERS
 
 
@@ -61,8 +61,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn = FFNS.get(config.layer_ffns[layer_idx])(config, layer_idx)
 
-    def forward(self, x: torch.Tensor, cache: dict | None, aux: AuxCollector) -> torch.Tensor:
-        x = x + self.mixer(self.mixer_norm(x), cache, aux)
+    def forward(self, x: torch.Tensor, cache: dict | None, aux: AuxCollector,
+                segments: DocumentSegments | None = None) -> torch.Tensor:
+        # dsa's forward takes no segments yet (DecoderLM refuses document masking for it)
+        mixer_args = (cache, aux) if segments is None else (cache, aux, segments)
+        x = x + self.mixer(self.mixer_norm(x), *mixer_args)
         return x + self.ffn(self.ffn_norm(x), aux)
 
 
@@ -124,14 +127,26 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         use_cache: bool | None = None,
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
+        position_ids: torch.LongTensor | None = None,
         **kwargs,
     ) -> LMOutput:
         """labels follow the transformers convention: aligned with input_ids and shifted here, so
         position t predicts labels[t + 1]; -100 is ignored. attention_mask must be all ones (packed
-        sequences carry no padding); left-padded batched generation is not supported."""
+        sequences carry no padding); left-padded batched generation is not supported.
+
+        position_ids [B, T] (document masking of a packed batch): 0 at the first token of each
+        document segment, +1 within it; t = 0 always starts a segment. Each token then sees only its
+        own segment: attention is block-causal, recurrent states and short convs restart, rotary runs
+        at these positions. Ignored while decoding with a cache (generate passes arange positions)."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("attention_mask has padding; DecoderLM takes unpadded (packed) sequences only")
         T = input_ids.shape[1]
+        segments = None
+        if position_ids is not None and past_key_values is None and not use_cache:
+            if "dsa" in self.config.layer_mixers:
+                raise ValueError("document masking (position_ids) is not yet supported for dsa; "
+                                 "valid mixers: softmax, gdn, derived_gdn, mamba2, linear")
+            segments = DocumentSegments(position_ids)
         if past_key_values is None and use_cache:
             past_key_values = DecodeCache(self.config.num_hidden_layers)
         offset = past_key_values.seen_tokens if past_key_values is not None else 0
@@ -146,7 +161,7 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
             if past_key_values is not None:
                 cache = past_key_values.layers[i]
                 cache["offset"] = offset
-            x = block(x, cache, aux)
+            x = block(x, cache, aux, segments)
         if past_key_values is not None:
             past_key_values.seen_tokens = offset + T
         x = self.norm(x)
@@ -159,7 +174,7 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
             # Shift the labels, not the logits: position t predicts labels[t + 1]; the last position
             # gets -100. Slicing the logits instead would copy the whole [B, T, V] tensor.
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-            lm_loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), ignore_index=-100)
+            lm_loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
             aux_loss = aux.total_loss()
             loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         return LMOutput(

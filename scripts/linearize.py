@@ -138,9 +138,10 @@ def plot(errors: dict, path: Path) -> None:
 class VaLAAttention(SoftmaxAttention):
     """Softmax attention's projections with the VaLA core (quadratic-time, evaluation only)."""
 
-    def core(self, q, k, v, cache, aux):
-        if cache is not None:
-            raise ValueError("vala is an evaluation-only reference core; it keeps no decoding cache")
+    def core(self, q, k, v, cache, aux, segments=None):
+        if cache is not None or segments is not None:
+            raise ValueError("vala is an evaluation-only reference core; it keeps no decoding cache and "
+                             "takes no document masking (position_ids)")
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
         return vala_attention(q.float(), k.float(), v.float(), self.head_dim ** -0.5).to(v.dtype)

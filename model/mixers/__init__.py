@@ -1,11 +1,14 @@
 """Sequence mixers. Interface, shared by every mixer:
 
     mixer = MixerClass(config: LMConfig, layer_idx: int)
-    y = mixer(x [B, T, D], cache: dict | None = None, aux: AuxCollector | None = None)  # [B, T, D]
+    y = mixer(x [B, T, D], cache: dict | None = None, aux: AuxCollector | None = None,
+              segments: DocumentSegments | None = None)  # [B, T, D]
 
 `cache` is a dict the layer owns across decoding calls: the model sets `cache["offset"]` (tokens
 already processed) before each call and the mixer keeps whatever continuation needs in it (KV for
 softmax/DSA; conv + recurrent state for the linear mixers). `aux` receives optional losses/metrics.
+`segments` (model/layers.py, document masking of a packed training batch, never with a cache): each
+token must see only its own document segment (dsa does not take it yet).
 Options: `config.options_for_mixer(name, defaults)` merges the config's options over the mixer's
 defaults and rejects unknown ones in one line. Each mixer may define `flops_per_token(seq_len)` (forward, multiply-add = 2 FLOPs) for MFU.
 """

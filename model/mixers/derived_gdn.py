@@ -26,10 +26,14 @@ class DerivedGDN(SoftmaxAttention):
         super().__init__(config, layer_idx)
         self.clamp_ktil = bool(config.options_for_mixer("derived_gdn", {"clamp_ktil": True})["clamp_ktil"])
 
-    def core(self, q, k, v, cache: dict | None, aux) -> torch.Tensor:
+    def core(self, q, k, v, cache: dict | None, aux, segments=None) -> torch.Tensor:
         groups = self.num_heads // self.num_kv_heads
         if groups > 1:  # GQA: q head h reads kv head h // groups
             k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        if segments is not None:  # the recursion (and its 1/t gates) restarts at each segment
+            o, _ = derived_gated_delta_rule(*(segments.flatten(x) for x in (q, k, v)), clamp_ktil=self.clamp_ktil,
+                                            cu_seqlens=segments.cu_seqlens)
+            return o.view(*q.shape[:3], -1)
         state = None
         if cache is not None and "A" in cache:
             state = {key: cache[key] for key in STATE_KEYS}

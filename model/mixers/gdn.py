@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.layers import GatedRMSNorm, ShortConv, init_A_log_, init_dt_bias_
+from model.layers import GatedRMSNorm, ShortConv, at_least_fp32, init_A_log_, init_dt_bias_
 from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule,
                                    fused_recurrent_gated_delta_rule)
 from model.registry import MIXERS
@@ -57,19 +57,24 @@ class GatedDeltaNet(nn.Module):
         init_A_log_(self.A_log, 0.0, 16.0)
         init_dt_bias_(self.dt_bias)
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None, segments=None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hv, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
-        q = self.q_conv(self.q_proj(x), cache, "conv_q").view(B, T, H, K)
-        k = self.k_conv(self.k_proj(x), cache, "conv_k").view(B, T, H, K)
-        v = self.v_conv(self.v_proj(x), cache, "conv_v").view(B, T, Hv, V)
-        q, k = ((t.float() / torch.sqrt(t.float().pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype) for t in (q, k))
+        q = self.q_conv(self.q_proj(x), cache, "conv_q", segments).view(B, T, H, K)
+        k = self.k_conv(self.k_proj(x), cache, "conv_k", segments).view(B, T, H, K)
+        v = self.v_conv(self.v_proj(x), cache, "conv_v", segments).view(B, T, Hv, V)
+        q, k = ((at_least_fp32(t) / torch.sqrt(at_least_fp32(t).pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype)
+                for t in (q, k))
         if Hv != H:
             q, k = q.repeat_interleave(Hv // H, dim=2), k.repeat_interleave(Hv // H, dim=2)
-        beta = self.b_proj(x).float().sigmoid()
-        g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias)
+        beta = at_least_fp32(self.b_proj(x)).sigmoid()
+        g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + self.dt_bias)
         state = cache.get("state") if cache is not None else None
-        if cache is not None and T == 1:
+        if segments is not None:  # the state restarts at each segment
+            o, _ = chunk_gated_delta_rule(*(segments.flatten(t) for t in (q, k, v, g, beta)), chunk_size=self.chunk_size,
+                                          cu_seqlens=segments.cu_seqlens)
+            o = o.view(B, T, Hv, V)
+        elif cache is not None and T == 1:
             o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
                                                         output_final_state=True)
         else:

@@ -35,11 +35,15 @@ class LinearAttention(SoftmaxAttention):
         self.normalize = bool(opts["normalize"])
         self.chunk_size = opts["chunk_size"]
 
-    def core(self, q, k, v, cache: dict | None, aux) -> torch.Tensor:
+    def core(self, q, k, v, cache: dict | None, aux, segments=None) -> torch.Tensor:
         q, k = self.feature_map(q), self.feature_map(k)
         if self.num_kv_heads != self.num_heads:
             rep = self.num_heads // self.num_kv_heads
             k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        if segments is not None:  # the state (and the normaliser's key sum) restarts at each segment
+            o, _ = chunk_linear_attn(*(segments.flatten(x) for x in (q, k, v)), normalize=self.normalize,
+                                     chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
+            return o.view(*q.shape[:3], -1)
         state = None
         if cache is not None and "state" in cache:
             state = (cache["state"], cache["key_sum"]) if self.normalize else cache["state"]

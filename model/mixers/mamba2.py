@@ -57,15 +57,19 @@ class Mamba2(nn.Module):
         init_A_log_(self.A_log, 1, 16)  # A = -exp(A_log), -A ~ U(1, 16)
         init.ones_(self.D)
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None, segments=None) -> torch.Tensor:
         Bsz, T, _ = x.shape
         H, P, G, N = self.num_heads, self.head_dim, self.n_groups, self.state_size
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * G * N, H], dim=-1)
-        xs, B, C = self.conv(xBC, cache).split([self.d_inner, G * N, G * N], dim=-1)
+        xs, B, C = self.conv(xBC, cache, segments=segments).split([self.d_inner, G * N, G * N], dim=-1)
         xs, B, C = xs.view(Bsz, T, H, P), B.view(Bsz, T, G, N), C.view(Bsz, T, G, N)
         A = -torch.exp(self.A_log.float())
         state = cache.get("ssm") if cache is not None else None
-        if cache is not None and T == 1:
+        if segments is not None:  # the state restarts at each segment
+            xs, dt, B, C = (segments.flatten(t) for t in (xs, dt, B, C))
+            y = mamba_chunk_scan(xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
+                                 cu_seqlens=segments.cu_seqlens)
+        elif cache is not None and T == 1:
             if state is None:
                 state = x.new_zeros(Bsz, H, P, N, dtype=torch.float32)
             y, state = mamba_state_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state, D=self.D,

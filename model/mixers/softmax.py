@@ -1,12 +1,16 @@
 """Softmax attention with GQA and RoPE: o = softmax(q k^T / sqrt(d) + causal mask) v, through
 F.scaled_dot_product_attention. Its projections (q_proj, k_proj, v_proj, o_proj) and rotary are
 reused by the mixers that replace only the core (derived_gdn, dsa), so a softmax checkpoint loads
-into them unchanged."""
+into them unchanged. With DocumentSegments (document masking) rotary runs at the segments'
+position_ids and a query attends only to its own segment (SDPA with the block-causal mask on CPU,
+FlexAttention with its BlockMask on CUDA)."""
+from functools import cache
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.layers import RotaryEmbedding
+from model.layers import DocumentSegments, RotaryEmbedding
 from model.registry import MIXERS
 
 
@@ -26,30 +30,36 @@ class SoftmaxAttention(nn.Module):
         self.o_proj.is_residual_out = True
         self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
 
-    def project(self, x: torch.Tensor, offset: int = 0):
-        """q [B, T, H, D], k, v [B, T, Hkv, D], rotary applied at positions offset..offset+T-1."""
+    def project(self, x: torch.Tensor, offset: int = 0, position_ids: torch.Tensor | None = None):
+        """q [B, T, H, D], k, v [B, T, Hkv, D], rotary applied at position_ids [B, T] if given, else at
+        positions offset..offset+T-1."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rotary.cos_sin(offset, T, x.device)
+        angles = torch.promote_types(x.dtype, torch.float32)  # fp32, fp64 for fp64 models
+        if position_ids is None:
+            cos, sin = self.rotary.cos_sin(offset, T, x.device, angles)
+        else:
+            cos, sin = self.rotary.cos_sin_at(position_ids, angles)
         return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None,
+                segments: DocumentSegments | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         offset = cache["offset"] if cache is not None else 0
-        q, k, v = self.project(x, offset)
-        o = self.core(q, k, v, cache, aux)  # [B, T, H, D]
+        q, k, v = self.project(x, offset, None if segments is None else segments.position_ids)
+        o = self.core(q, k, v, cache, aux, segments)  # [B, T, H, D]
         return self.o_proj(o.reshape(B, T, -1))
 
-    def core(self, q, k, v, cache: dict | None, aux) -> torch.Tensor:
+    def core(self, q, k, v, cache: dict | None, aux, segments: DocumentSegments | None = None) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if cache is not None:
             if "k" in cache:
                 k = torch.cat([cache["k"], k], dim=2)
                 v = torch.cat([cache["v"], v], dim=2)
             cache["k"], cache["v"] = k, v
-        o = attend(q, k, v)
+        o = attend(q, k, v, segments)
         return o.transpose(1, 2)
 
     def flops_per_token(self, seq_len: int) -> float:
@@ -59,13 +69,26 @@ class SoftmaxAttention(nn.Module):
         return proj + 2 * 2 * self.num_heads * self.head_dim * (seq_len + 1) / 2
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal SDPA for q [B, H, Tq, D] whose Tq positions are the last ones of k, v [B, Hkv, Tk, D]."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments | None = None) -> torch.Tensor:
+    """Causal SDPA for q [B, H, Tq, D] whose Tq positions are the last ones of k, v [B, Hkv, Tk, D];
+    with segments (Tq = Tk, no cache), causal within each document segment only."""
     Tq, Tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if segments is not None:
+        if q.is_cuda:
+            return _flex_attention()(q, k, v, block_mask=segments.attention_mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=segments.attention_mask, enable_gqa=gqa)
     if Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     if Tq == 1:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)
     mask = torch.ones(Tq, Tk, dtype=torch.bool, device=q.device).tril(Tk - Tq)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+@cache
+def _flex_attention():
+    """torch's FlexAttention, compiled (uncompiled it materialises the full score matrix)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention)

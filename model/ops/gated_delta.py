@@ -7,9 +7,12 @@ i.e. S_t = S_{t-1} alpha_t (I - beta_t k_t k_t^T) + beta_t v_t k_t^T with S = h^
 Layouts follow fla: q, k [B, T, H, K], v [B, T, H, V], g (log decay), beta [B, T, H], state [B, H, K, V].
 All arithmetic is in fp32 (fp64 for fp64 inputs); outputs are cast back to the input dtype, states
 stay in the compute dtype. On CUDA tensors the fla kernels are used when fla imports.
+cu_seqlens (fla's convention, model/ops/varlen.py): q.. of batch 1 hold several sequences, the state
+restarting from zero at each; final states are then [N, H, K, V], one per sequence.
 """
 import torch
-import torch.nn.functional as F
+
+from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, sequence_cumsum
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
@@ -29,7 +32,7 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           chunk_size=CHUNK_SIZE):
+                           chunk_size=CHUNK_SIZE, cu_seqlens=None):
     """Chunked (WY) gated delta rule; returns (o [B, T, H, V], final state [B, H, K, V] or None).
 
     Per chunk of C tokens with in-chunk cumulative log decay G and Gamma_ij = exp(G_i - G_j) (i >= j):
@@ -38,21 +41,29 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         o = scale [(q exp(G)) S_n + tril(Gamma o Q K^T) (u - w S_n)]
     All chunks' intra-chunk work is batched; only the state recursion S_n -> S_{n+1} loops (and its
     reverse in the hand-written backward). The default C = 32 is the fastest on CPU (fla's GPU kernel
-    uses 64).
+    uses 64). With cu_seqlens every sequence is laid out on whole chunks (ChunkLayout) and the state
+    entering a sequence's first chunk is dropped (e^G zeroed there).
     """
     if q.is_cuda:
         fla_chunk = _fla("chunk_gated_delta_rule")
         if fla_chunk is not None:
             return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             output_final_state=output_final_state)
+                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtype, cd = v.dtype, _compute_dtype(v)
     scale = K ** -0.5 if scale is None else scale
-    S0 = q.new_zeros(B * H, K, V, dtype=cd) if initial_state is None else initial_state.to(cd).reshape(B * H, K, V)
-    o, S = _ChunkedGatedDelta.apply(q.to(cd), k.to(cd), v.to(cd), g.to(cd), beta.to(cd), S0, scale,
-                                    min(chunk_size, T))
-    return o.to(dtype), (S.view(B, H, K, V) if output_final_state else None)
+    C = min(chunk_size, T)
+    if cu_seqlens is None:
+        S0 = q.new_zeros(B * H, K, V, dtype=cd) if initial_state is None else initial_state.to(cd).reshape(B * H, K, V)
+        o, S = _ChunkedGatedDelta.apply(q.to(cd), k.to(cd), v.to(cd), g.to(cd), beta.to(cd), S0, scale, C,
+                                        None, None)
+        return o.to(dtype), (S.view(B, H, K, V) if output_final_state else None)
+    check_packed(q, cu_seqlens, initial_state)
+    layout = ChunkLayout.build(cu_seqlens, C)
+    o, S = _ChunkedGatedDelta.apply(*(layout.pad(x.to(cd)) for x in (q, k, v, g, beta)), q.new_zeros(H, K, V, dtype=cd),
+                                    scale, C, layout.resets, layout.ends)
+    return layout.unpad(o).to(dtype), (S if output_final_state else None)
 
 
 def _token_chunk_views(tokens: torch.Tensor, chunked: torch.Tensor, C: int) -> list[tuple]:
@@ -86,17 +97,19 @@ def _from_chunks(x: torch.Tensor, T: int, scale=1.0) -> torch.Tensor:
 
 class _ChunkedGatedDelta(torch.autograd.Function):
     """The chunked gated delta rule: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B H, K, V],
-    scale, chunk size C -> o [B, T, H, V], S_N. Inside, everything is in chunks [N, B, H, C, *] (padded
+    scale, chunk size C, resets, ends -> o [B, T, H, V], S_N. Inside, everything is in chunks [N, B, H, C, *] (padded
     steps have k = 0, beta = 0, g = 0: they leave the state unchanged).
 
     Forward: u = inv (beta v), w = inv (beta k e^G), inv = (I + strictLower(Gamma o diag(beta) K K^T))^-1;
     per chunk vnew = u - w S, S <- e^{G_C} S + kd^T vnew; then o = scale [(q e^G) S + (Gamma o Q K^T) vnew].
     Backward by hand (autograd through the same graph measured ~1.3x slower on CPU): the matmuls reversed, the
     state gradient in one reverse loop, and d inv folded into dA = -strictLower(inv^T [du | dw] [u | w]^T).
+    resets [N] bool (or None): chunk n ignores the state entering it (its e^G is zeroed, so q e^G S_n,
+    w S_n and e^{G_C} S_n vanish, in backward too); the second output is then S_ends [len(ends), B H, K, V].
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, scale, C):
+    def forward(ctx, q, k, v, g, beta, S0, scale, C, resets, ends):
         T = k.shape[1]
         q, k, v, G, beta = (_to_chunks(x, C) for x in (q, k, v, g, beta))
         G = G.cumsum_(-1)
@@ -105,6 +118,8 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
         gamma = (G[..., :, None] - G[..., None, :]).masked_fill_(~causal, float("-inf")).exp_()
         eG, ed = G.exp(), (G[..., -1:] - G).exp_()
+        if resets is not None:
+            eG.masked_fill_(resets.view(N, 1, 1, 1), 0.0)
         kb = k * beta[..., None]
         kg, qg, kd = kb * eG[..., None], q * eG[..., None], k * ed[..., None]
         kT = k.transpose(-1, -2)
@@ -120,11 +135,12 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         for n in range(N):
             torch.baddbmm(u3[n], w3[n], S_prev[n], alpha=-1, out=vnew[n])
             torch.baddbmm(S_prev[n] * decay[n], kd3[n].transpose(-1, -2), vnew[n], out=S_prev[n + 1])
-        S, S_prev, vnew = S_prev[N], S_prev[:N].view(N, B, H, K, V), vnew.view(N, B, H, C, V)
+        S = S_prev[N].clone() if ends is None else S_prev[ends]
+        S_prev, vnew = S_prev[:N].view(N, B, H, K, V), vnew.view(N, B, H, C, V)
         o = (qg @ S_prev).view(N * B * H, C, V).baddbmm_(aqk.view(-1, C, C), vnew.view(-1, C, V), alpha=1)
         ctx.save_for_backward(q, k, v, eG, ed, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd)
-        ctx.scale, ctx.T = scale, T
-        return _from_chunks(o.view(N, B, H, C, V), T, scale), S.clone()
+        ctx.scale, ctx.T, ctx.ends = scale, T, ends
+        return _from_chunks(o.view(N, B, H, C, V), T, scale), S
 
     @staticmethod
     def backward(ctx, do, dS_last):
@@ -140,7 +156,9 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         decay = eG[..., -1].reshape(N, B * H, 1, 1)
         w3, kd3 = w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
         d_next, du = q.new_empty(N + 1, B * H, K, V), torch.empty_like(d_vnew)
-        d_next[N] = dS_last  # autograd materialises an unused output's grad as zeros
+        d_next[N] = dS_last if ctx.ends is None else dS_last[-1]  # autograd gives zeros for an unused output
+        if ctx.ends is not None:  # the other sequences' final states are chunk-start states
+            dS_out.index_add_(0, ctx.ends[:-1], dS_last[:-1])
         for n in range(N - 1, -1, -1):
             torch.baddbmm(d_vnew[n], kd3[n], d_next[n + 1], out=du[n])  # total d vnew_n
             torch.baddbmm(dS_out[n].addcmul_(d_next[n + 1], decay[n]), w3[n].transpose(-1, -2), du[n],
@@ -169,18 +187,25 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         dG[..., -1] += d_ed.sum(-1) + (d_next * S_prev).sum((-1, -2)) * eG[..., -1]
         dg = dG.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g)
         T = ctx.T
-        return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, dbeta)), dS0, None, None)
+        return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, dbeta)), dS0, None, None, None, None)
 
 
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                                     output_final_state=False):
+                                     output_final_state=False, cu_seqlens=None):
     """The per-token recurrence (for decoding, T small); same arguments and returns as the chunked form."""
     if q.is_cuda:
         fla_rec = _fla("fused_recurrent_gated_delta_rule")
         if fla_rec is not None:
             # keywords: fla's signature is (q, k, v, g, gk, gv, beta, ...)
             return fla_rec(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state)
+                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    if cu_seqlens is not None:
+        check_packed(q, cu_seqlens, initial_state)
+        bounds = cu_seqlens.tolist()
+        parts = [fused_recurrent_gated_delta_rule(*(x[:, a:b] for x in (q, k, v, g, beta)), scale=scale,
+                                                  output_final_state=True) for a, b in zip(bounds, bounds[1:])]
+        o = torch.cat([o for o, _ in parts], dim=1)
+        return o, (torch.cat([h for _, h in parts]) if output_final_state else None)
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtype, cd = v.dtype, _compute_dtype(v)
@@ -197,7 +222,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
 
 
 def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                             clamp_ktil=False):
+                             clamp_ktil=False, cu_seqlens=None):
     """Softmax attention linearized into a gated delta rule with fixed 1/t gates (derived GDN):
 
         kbar_t = mean(k_1..k_t), vbar_t = mean(v_1..v_t), ktil_t = k_t - kbar_t, vtil_t = v_t - vbar_{t-1}
@@ -215,15 +240,21 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
 
     State (initial_state / returned): dict with A [B, H, K, V] (A_t transposed, the gated-delta h),
     k_sum [B, H, K] and v_sum [B, H, V] (running sums of scaled keys and of values), t (int, tokens seen).
-    Returns (o [B, T, H, V], state or None).
+    Returns (o [B, T, H, V], state or None). With cu_seqlens (batch 1) t, the sums and A restart at
+    each sequence; the state then holds one entry per sequence and t is their lengths [N].
     """
     B, T, H, K = k.shape
     dtype, cd = v.dtype, _compute_dtype(v)
     root = (K ** -0.5 if scale is None else scale) ** 0.5
     q, k, v = q.to(cd) * root, k.to(cd) * root, v.to(cd)
     t0 = 0 if initial_state is None else initial_state["t"]
-    t = torch.arange(t0 + 1, t0 + T + 1, dtype=cd, device=q.device)[None, :, None]  # [1, T, 1]
-    k_sum, v_sum = k.cumsum(1), v.cumsum(1)
+    if cu_seqlens is None:
+        t = torch.arange(t0 + 1, t0 + T + 1, dtype=cd, device=q.device)[None, :, None]  # [1, T, 1]
+        k_sum, v_sum = k.cumsum(1), v.cumsum(1)
+    else:
+        check_packed(q, cu_seqlens, initial_state)
+        t = (positions_in_sequences(cu_seqlens) + 1).to(cd)[None, :, None]
+        k_sum, v_sum = sequence_cumsum(k, cu_seqlens), sequence_cumsum(v, cu_seqlens)
     if initial_state is not None:
         k_sum = k_sum + initial_state["k_sum"].to(cd)[:, None]
         v_sum = v_sum + initial_state["v_sum"].to(cd)[:, None]
@@ -237,10 +268,13 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     beta = torch.where(first, 0.0, 1 / (t - 1).clamp(min=1)).expand(B, T, H)
     A0 = None if initial_state is None else initial_state["A"]
     o, A = chunk_gated_delta_rule(q, ktil, vtil * ((t - 1) / t)[..., None], g, beta, scale=1.0,
-                                  initial_state=A0, output_final_state=output_final_state)
+                                  initial_state=A0, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     o = (o.to(cd) + vbar).to(dtype)
     if not output_final_state:
         return o, None
+    if cu_seqlens is not None:
+        last = cu_seqlens[1:] - 1
+        return o, {"A": A, "k_sum": k_sum[0, last], "v_sum": v_sum[0, last], "t": cu_seqlens.diff()}
     return o, {"A": A, "k_sum": k_sum[:, -1], "v_sum": v_sum[:, -1], "t": t0 + T}
 
 

@@ -6,9 +6,13 @@
 Layouts as in fla's chunk_linear_attn: q, k [B, T, H, K], v [B, T, H, V], state [B, H, K, V],
 normaliser state z [B, H, K]. On CUDA tensors, when fla imports, the unnormalised part runs in
 fla's kernel; the normaliser (which fla's `normalize` does not carry across calls) is always ours.
+cu_seqlens (fla's convention, model/ops/varlen.py): a batch-1 row of several sequences, each
+starting from a zero state; final states are then one per sequence.
 """
 import torch
 import torch.nn.functional as F
+
+from model.ops.varlen import ChunkLayout, check_packed, sequence_cumsum
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -26,7 +30,7 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
     return x.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=a.device).tril(), float("-inf"))
 
 
-def chunk_scalar_decay(q, k, v, g, scale: float, chunk_size: int, initial_state=None):
+def chunk_scalar_decay(q, k, v, g, scale: float, chunk_size: int, initial_state=None, cu_seqlens=None):
     """o_t = scale * S_t^T q_t with S_t = exp(g_t) S_{t-1} + k_t v_t^T, per value head.
 
     q, k [B, T, G, K] (G groups, each shared by H / G consecutive value heads), v [B, T, H, V],
@@ -38,10 +42,20 @@ def chunk_scalar_decay(q, k, v, g, scale: float, chunk_size: int, initial_state=
       o_l = scale (sum_{s <= l} (q_l . k_s) exp(G_l - G_s) v_s + exp(G_l) q_l^T S_start)
       S_end = exp(G_C) S_start + sum_s exp(G_C - G_s) k_s v_s^T
     and the chunk-start states of all chunks at once through the chunk-level decay matrix.
+    With cu_seqlens (batch 1) each sequence is laid out on whole chunks, the decay matrix keeps only
+    entries within one sequence and a sequence's first chunk starts from zero; the final state is
+    then [N, H, K, V], one per sequence.
     """
     Bsz, T, H, V = v.shape
     G, K = q.shape[2], q.shape[3]
     C = min(chunk_size, T)
+    layout = None
+    if cu_seqlens is not None:
+        check_packed(q, cu_seqlens, initial_state)
+        layout = ChunkLayout.build(cu_seqlens, C)
+        q, k, v = layout.pad(q), layout.pad(k), layout.pad(v)
+        g = None if g is None else layout.pad(g)
+        T = layout.length
     pad = (-T) % C
     n = (T + pad) // C
 
@@ -70,11 +84,20 @@ def chunk_scalar_decay(q, k, v, g, scale: float, chunk_size: int, initial_state=
     states = torch.cat([initial_state.view(Bsz, G, H // G, 1, K, V), states], dim=3)
     # Start state of chunk i (i = 0..n, n = final): sum_{j <= i} exp(g_last_j + ... + g_last_{i-1}) states_j.
     chunk_decay = _segsum(F.pad(g_last[..., 0], (1, 0))).exp()  # [B, G, H/G, n+1, n+1]
+    if layout is not None:  # row / column m stands for the state after chunk m - 1 (m = 0: chunk 0's start)
+        seq = layout.resets.cumsum(0)  # the sequence of each chunk
+        seq = torch.cat([seq[:1], seq])
+        chunk_decay = chunk_decay * (seq[:, None] == seq[None, :])
     states = (chunk_decay @ states.flatten(-2)).view(Bsz, G, H // G, n + 1, K, V)
     start, final = states[..., :-1, :, :], states[..., -1, :, :]
+    if layout is not None:
+        start = start.masked_fill(layout.resets.view(n, 1, 1), 0.0)
+        final = states[0, :, :, layout.ends].permute(2, 0, 1, 3, 4)  # [N, G, H/G, K, V]
 
     o = o + (q * gc.exp()[..., None]) @ start
     o = (scale * o).reshape(Bsz, H, n * C, V).transpose(1, 2)[:, :T]
+    if layout is not None:
+        return layout.unpad(o), final.reshape(-1, H, K, V)
     return o, final.reshape(Bsz, H, K, V)
 
 
@@ -98,7 +121,7 @@ def _fla_linear_attn():
 
 def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
                       output_final_state: bool = False, normalize: bool = False,
-                      chunk_size: int = 64, eps: float = 1e-6):
+                      chunk_size: int = 64, eps: float = 1e-6, cu_seqlens=None):
     """Causal linear attention (see module docstring). scale defaults to K^-0.5.
 
     Without normalize, initial_state / final state are S [B, H, K, V]; with normalize they are pairs
@@ -112,18 +135,23 @@ def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
     kernel = _fla_linear_attn() if q.is_cuda else None
     if kernel is not None:
         o, S = kernel(q, k, v, scale=scale, initial_state=S0, output_final_state=output_final_state,
-                      normalize=False)
+                      normalize=False, cu_seqlens=cu_seqlens)
         o = o.to(compute_dtype(v.dtype))
     else:
         ct = compute_dtype(v.dtype)
         o, S = chunk_scalar_decay(q.to(ct), k.to(ct), v.to(ct), None, scale, chunk_size,
-                                  None if S0 is None else S0.to(ct))
+                                  None if S0 is None else S0.to(ct), cu_seqlens)
     final = S if output_final_state else None
     if normalize:
         ct = o.dtype
-        kc = k.to(ct).cumsum(1)  # z_t = z0 + sum_{i <= t} k_i
+        if cu_seqlens is None:
+            kc = k.to(ct).cumsum(1)  # z_t = z0 + sum_{i <= t} k_i
+        else:
+            check_packed(q, cu_seqlens, z0)
+            kc = sequence_cumsum(k.to(ct), cu_seqlens)
         if z0 is not None:
             kc = kc + z0.to(ct)[:, None]
         o = o / ((scale * q.to(ct) * kc).sum(-1, keepdim=True) + eps)
-        final = (S, kc[:, -1]) if output_final_state else None
+        z = kc[:, -1] if cu_seqlens is None else kc[0, cu_seqlens[1:] - 1]
+        final = (S, z) if output_final_state else None
     return o.to(v.dtype), final

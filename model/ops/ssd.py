@@ -10,6 +10,8 @@ On CUDA tensors, when fla imports, that same recurrence runs in fla's chunk_simp
 (q = C, k = B repeated to the H heads, v = dt x, g = dt A, state [V, K] = [P, N]). mamba_ssm's
 mamba_chunk_scan_combined is the other kernel for it, but its PyPI release is a source package whose
 build downloads a prebuilt wheel from outside PyPI or compiles CUDA, and it pins Mamba-3's deps.
+cu_seqlens (fla's convention, model/ops/varlen.py; passed to the kernel on CUDA): a batch-1 row of
+several sequences, each starting from a zero state.
 """
 import torch
 import torch.nn.functional as F
@@ -46,9 +48,11 @@ def _skip_and_gate(y, x, D, z):
 
 
 def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
-                     dt_softplus: bool = False, initial_states=None, return_final_states: bool = False):
+                     dt_softplus: bool = False, initial_states=None, return_final_states: bool = False,
+                     cu_seqlens=None):
     """SSD over a sequence (see module docstring). Returns y [B, T, H, P] in x's dtype, and with
-    return_final_states also the final state [B, H, P, N] in fp32 (float64 for float64 inputs)."""
+    return_final_states also the final state [B, H, P, N] ([N_seq, H, P, N] with cu_seqlens) in fp32
+    (float64 for float64 inputs)."""
     xc, dt, A = _discretise(x, dt, A, dt_bias, dt_softplus)
     ct = xc.dtype
     kernel = _fla_simple_gla() if x.is_cuda else None
@@ -57,11 +61,12 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=No
         q, k = (t.repeat_interleave(rep, dim=2).to(x.dtype) for t in (C, B))
         y, state = kernel(q, k, (xc * dt[..., None]).to(x.dtype), g=dt * A, scale=1.0,
                           initial_state=None if initial_states is None else initial_states.to(ct),
-                          output_final_state=return_final_states, state_v_first=True)
+                          output_final_state=return_final_states, state_v_first=True,
+                          cu_seqlens=cu_seqlens)
         y, state = y.to(ct), (None if state is None else state.to(ct))
     else:
         h0 = None if initial_states is None else initial_states.to(ct).transpose(-1, -2)  # -> [B, H, N, P]
-        y, state = chunk_scalar_decay(C.to(ct), B.to(ct), xc * dt[..., None], dt * A, 1.0, chunk_size, h0)
+        y, state = chunk_scalar_decay(C.to(ct), B.to(ct), xc * dt[..., None], dt * A, 1.0, chunk_size, h0, cu_seqlens)
         state = state.transpose(-1, -2)
     y = _skip_and_gate(y, xc, D, z).to(x.dtype)
     return (y, state) if return_final_states else y
