@@ -104,6 +104,26 @@ def test_resumed_run_continues_its_wandb_run(tmp_path, data_cache):
     assert all((f / f"run-{run_id}.wandb").exists() for f in folders)
 
 
+def test_streamed_hub_dataset_trains(tmp_path, data_cache):
+    """data=hf with streaming: parquet shards in a folder stand in for the hub (no val split, so a
+    share is held out); train.py takes max_tokens from the stream and trains on the token store."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    hub = tmp_path / "hub" / "data"
+    hub.mkdir(parents=True)
+    texts = [f"def f{i}(x):\n    return x * {i} + {i % 7}\n" * (3 + i % 4) for i in range(900)]
+    for shard in range(3):
+        pq.write_table(pa.table({"text": texts[shard::3]}), hub / f"train-0000{shard}-of-00003.parquet")
+    run = tmp_path / "run"
+    run_train(run, "data=hf", f"data.path={hub.parent}", "data.streaming=true", "data.max_tokens=20000",
+              "data.val_fraction=0.1", "data.vocab_size=300", "data.max_documents=null", "trainer.max_steps=4",
+              cache=data_cache)
+    info = json.loads((run / "run_info.json").read_text())["data_info"]
+    assert 20000 <= info["train_tokens"] + 64 and info["train_tokens"] < 21000 and info["val_documents"] > 0
+    assert info["document_mask"] is True and len(losses(run)) == 4
+
+
 def test_non_finite_loss_stops_with_message(tmp_path, data_cache):
     proc = run_train(tmp_path / "nan", "trainer.lr=1e12", "trainer.grad_clip=1e30", "trainer.warmup_steps=0",
                      "trainer.max_steps=30", "trainer.ckpt_every=1", check=False, cache=data_cache)
