@@ -321,13 +321,14 @@ def attention_path(T: int, S: int, K: int, heads: int, kv_heads: int, device_typ
     """"sparse" or "masked", whichever the cost model says is cheaper for T queries (the last T of S keys)
     selecting K keys each. Both paths cost per query head (SDPA expands GQA; the sparse path runs an
     SDDMM/SpMM per query head), so heads and KV heads scale both alike and the choice reduces to
-    K * SPARSE_KEY_COST[device] vs the mean keys a query block reads, S - T / 2."""
+    K * SPARSE_KEY_COST[device] vs the mean keys a query block reads, S - T / 2. Logs the first use of
+    each path per (device, top-k, heads, KV heads)."""
     masked_keys = S - T / 2
     choice = "sparse" if K * SPARSE_KEY_COST.get(device_type, SPARSE_KEY_COST["cuda"]) < masked_keys else "masked"
-    key = (device_type, T, S, K, heads, kv_heads)
+    key = (choice, device_type, K, heads, kv_heads)  # not T, S: decoding would log every token
     if key not in _logged_choices:
         _logged_choices.add(key)
-        logger.info("dsa attention: %s path for T=%d, S=%d, top-k %d, %d heads / %d KV heads on %s",
+        logger.info("dsa attention: %s path from T=%d, S=%d on (top-k %d, %d heads / %d KV heads, %s)",
                     choice, T, S, K, heads, kv_heads, device_type)
     return choice
 
