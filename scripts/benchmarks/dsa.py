@@ -279,7 +279,7 @@ def check_dsa_on_cuda(device: str = "cuda", T: int = 300, topk: int = 32) -> lis
     for kv in (1, 2, H):
         g = torch.Generator().manual_seed(kv)
         q, k, v = (torch.randn(2, T, n, D, generator=g) for n in (H, kv, kv))
-        q_i, k_i, w = torch.randn(2, T, H_I, D_I, generator=g), torch.randn(2, T, D_I, generator=g), torch.randn(2, T, H_I, generator=g)
+        q_i, k_i, w = (torch.randn(2, T, *shape, generator=g) for shape in ((H_I, D_I), (D_I,), (H_I,)))
         idx = sa.index_topk(q_i, k_i, w, topk)
         idx_dev = sa.index_topk(q_i.to(device), k_i.to(device), w.to(device), topk).cpu()
         scores = sa.index_scores(q_i, k_i, w)
