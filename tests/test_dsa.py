@@ -101,11 +101,15 @@ def test_index_scores_at_match_dense_scores_values_and_grads(blocks):
         torch.testing.assert_close(a, r)
 
 
-@pytest.mark.parametrize("topk", [1, 4, 9])
-def test_sparse_gather_path_matches_dense_masked_path_and_formula(blocks, topk):
-    q, k, v = attention_inputs()
+PATHS = {"sparse": sa.sparse_attention, "masked": sa.masked_attention}
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("Hkv,topk", [(1, 4), (2, 1), (2, 9), (4, 4)])
+def test_both_paths_match_dense_masked_reference_and_formula(blocks, path, Hkv, topk):
+    q, k, v = attention_inputs(Hkv=Hkv)  # T = 13: no block or tile size divides it
     idx = sa.index_topk(*indexer_inputs(), topk)
-    out, ref = sa.sparse_attention(q, k, v, idx), sa.sparse_attention_reference(q, k, v, idx)
+    out, ref = PATHS[path](q, k, v, idx), sa.sparse_attention_reference(q, k, v, idx)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(out, naive_sparse_attention(q, k, v, idx))
     g = torch.randn(out.shape, dtype=F64)
@@ -113,10 +117,72 @@ def test_sparse_gather_path_matches_dense_masked_path_and_formula(blocks, topk):
         torch.testing.assert_close(a, r)
 
 
-def test_sparse_gather_path_with_all_keys_is_causal_softmax_attention():
+@pytest.mark.parametrize("path", PATHS)
+def test_both_paths_for_queries_after_a_prefix(blocks, path):
+    """The T queries are the last T of the S keys (a prefill continuing a cache)."""
+    q, k, v = attention_inputs(Hkv=1)
+    q_i, k_i, w = indexer_inputs()
+    idx = sa.index_topk(q_i[:, 6:], k_i, w[:, 6:], 4, offset=6)
+    q = q[:, 6:].detach().requires_grad_()
+    out, ref = PATHS[path](q, k, v, idx), sa.sparse_attention_reference(q, k, v, idx)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn(out.shape, dtype=F64)
+    for a, r in zip(grads(out, (q, k, v), g), grads(ref, (q, k, v), g)):
+        torch.testing.assert_close(a, r)
+
+
+def test_sparse_path_returns_the_selected_attention_probs():
+    q, k, v = attention_inputs()
+    sel = sa.Selection(sa.index_topk(*indexer_inputs(), 4), k.shape[1])
+    _, p = sa.sparse_attention_with_probs(q, k, v, sel)
+    assert not p.requires_grad
+    torch.testing.assert_close(p, sa.selected_attention_probs(q, k, sel))
+
+
+def test_attention_path_cost_model_logs_each_choice_once(caplog, monkeypatch):
+    monkeypatch.setattr(sa, "_logged_choices", set())
+    K, cost = 256, sa.SPARSE_KEY_COST["cpu"]
+    short, long = int(K * cost), int(4 * K * cost)  # mean keys a query block reads: S - T / 2 = T / 2
+    with caplog.at_level("INFO", logger=sa.__name__):
+        assert sa.attention_path(short, short, K, 4, 1, "cpu") == "masked"
+        assert sa.attention_path(long, long, K, 4, 1, "cpu") == "sparse"
+        assert sa.attention_path(long, long, K, 4, 1, "cpu") == "sparse"
+        assert sa.attention_path(1, long, K, 4, 1, "cpu") == "sparse"  # decoding one token
+    assert [r.getMessage().split(" path")[0] for r in caplog.records] == \
+        ["dsa attention: masked", "dsa attention: sparse"]  # each path logged once
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_selected_attention_runs_the_chosen_path(monkeypatch, path):
+    q, k, v = attention_inputs()
+    sel = sa.Selection(sa.index_topk(*indexer_inputs(), 4), k.shape[1])
+    monkeypatch.setattr(sa, "attention_path", lambda *args: path)
+    ran = []
+    for name in ("sparse_attention_with_probs", "masked_attention"):
+        fn = getattr(sa, name)
+        monkeypatch.setattr(sa, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
+    o, p = sa.selected_attention(q, k, v, sel, with_probs=True)
+    assert ran == ["sparse_attention_with_probs" if path == "sparse" else "masked_attention"]
+    torch.testing.assert_close(o, sa.sparse_attention_reference(q, k, v, sel.indices))
+    torch.testing.assert_close(p, sa.selected_attention_probs(q, k, sel))
+
+
+@pytest.mark.parametrize("S,k", [(64, 4), (1001, 7), (300, 30)])
+def test_two_stage_topk_is_exact(S, k):
+    assert sa._topk_chunks(S, k) >= 2  # the two-stage path runs
+    g = torch.Generator().manual_seed(S)
+    x = torch.randn(5, S, generator=g).relu()  # many tied zeros
+    x[0, S // 2:] = float("-inf")
+    idx = sa.topk_indices(x, k)
+    assert all(len(set(row.tolist())) == k for row in idx)
+    torch.testing.assert_close(x.gather(-1, idx).sort(-1).values, x.topk(k, -1).values.sort(-1).values)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_both_paths_with_all_keys_are_causal_softmax_attention(path):
     q, k, v = attention_inputs()
     idx = sa.index_topk(*indexer_inputs(), 13)
-    out = sa.sparse_attention(q, k, v, idx)
+    out = PATHS[path](q, k, v, idx)
     ref = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     torch.testing.assert_close(out, ref)
     g = torch.randn(out.shape, dtype=F64)
@@ -192,8 +258,14 @@ def test_topk_at_least_T_equals_softmax_attention(stage):
         torch.testing.assert_close(a, r)
 
 
+@pytest.fixture(params=list(PATHS))
+def forced_path(request, monkeypatch):
+    """Run a mixer test with each attention path (the cost model would pick masked at these lengths)."""
+    monkeypatch.setattr(sa, "attention_path", lambda *args: request.param)
+
+
 @pytest.mark.parametrize("stage", ["sparse", "warmup"])
-def test_gradient_isolation(stage):
+def test_gradient_isolation(stage, forced_path):
     dsa, _ = mixer_pair(topk=4, stage=stage)
     x = torch.randn(2, 12, 32, dtype=F64, requires_grad=True)
     aux = AuxCollector()
@@ -269,7 +341,7 @@ def test_warmup_raises_topk_attention_recall():
     assert end > start + 0.1, (start, end)
 
 
-def test_decoding_matches_full_forward():
+def test_decoding_matches_full_forward(forced_path):
     torch.manual_seed(0)
     model = DecoderLM(tiny_config(topk=5, index_heads=8, index_head_dim=16, index_rope_dim=8)).eval()
     ids = torch.randint(0, 64, (2, 19))

@@ -21,8 +21,8 @@ import torch.nn as nn
 
 from model.layers import RotaryEmbedding
 from model.mixers.softmax import SoftmaxAttention, attend
-from model.ops.sparse_attention import (dense_attention_probs, index_scores, index_scores_at, index_topk,
-                                        selected_attention_probs, sparse_attention)
+from model.ops.sparse_attention import (Selection, dense_attention_probs, index_scores, index_scores_at, index_topk,
+                                        selected_attention)
 from model.registry import MIXERS
 
 STAGES = ("warmup", "sparse")
@@ -91,22 +91,20 @@ class DSAttention(SoftmaxAttention):
         if sparse or (report and not self.training):
             indices = index_topk(q_i, k_i, w, self.topk, offset)  # [B, T, K], -1 = empty slot
         if sparse:
-            o = sparse_attention(q, k, v, indices)
+            selection = Selection(indices, k.shape[1])  # shared by the attention and the indexer loss
+            o, p = selected_attention(q, k, v, selection, with_probs=report)  # p: the indexer's target
         else:
             o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
         if report:
-            self.report(aux, q, k, q_i, k_i, w, indices if sparse else None)
+            if sparse:
+                logits = index_scores_at(q_i, k_i, w, selection)
+            else:
+                p, logits = dense_attention_probs(q, k), index_scores(q_i, k_i, w)
+            # L_I = mean_t KL(p_t || softmax(I_t)) over the selected keys (all causal keys in warm-up)
+            aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits), self.indexer_loss_coef)
             if not self.training:
                 self.report_recall(aux, q, k, indices)
         return self.o_proj(o.reshape(B, T, -1))
-
-    def report(self, aux, q, k, q_i, k_i, w, indices) -> None:
-        """L_I = mean_t KL(p_t || softmax(I_t)) over the selected keys (all causal keys if indices is None)."""
-        if indices is None:
-            p, logits = dense_attention_probs(q, k), index_scores(q_i, k_i, w)
-        else:
-            p, logits = selected_attention_probs(q, k, indices), index_scores_at(q_i, k_i, w, indices)
-        aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits), self.indexer_loss_coef)
 
     def report_recall(self, aux, q, k, indices) -> None:
         """sum over the selected keys of the dense head-averaged attention probability, mean over queries."""

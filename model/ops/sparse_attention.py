@@ -2,21 +2,35 @@
 to the selected keys. Layouts as in the kernels: q [B, T, H, D], k, v [B, S, Hkv, D] (GQA: H a multiple
 of Hkv), indexer q_i [B, T, H_I, d_I], shared indexer key k_i [B, S, d_I], head weights w [B, T, H_I];
 `indices` [B, T, K] int64 holds, per query, the key positions it may attend to, -1 for an empty slot
-(FlashMLA's sparse convention). The T queries sit at positions offset .. offset + T - 1 of the S keys.
+(FlashMLA's sparse convention). The T queries sit at positions S - T .. S - 1 of the S keys.
 
 Indexer score (scales folded into q_i and w by the caller):  I[t, s] = sum_j w[t, j] relu(q_i[t, j] . k_i[s]).
 
-The gather path (`sparse_attention`, `index_scores_at`) costs O(T K d): each block of queries gathers its
-selected keys; backward recomputes the gathers from the saved inputs (flash-style), so the activations
-kept are O(T (H D + K)), not O(T K D). `sparse_attention_reference` is the dense masked O(T S d) path the
-tests check it against. Everything accumulates in fp32 (fp64 for fp64 inputs). There is no GPU kernel
-for these shapes (FlashMLA's sparse kernels are MLA-only), so CUDA tensors run this same PyTorch code.
+Two paths compute attention over the selected keys, with the same outputs and gradients:
+  sparse (`sparse_attention`): the selection as a [B T, B S] CSR matrix of B T K entries; per query
+      head, logits = SDDMM (torch.sparse.sampled_addmm), softmax over each query's K entries, output
+      = SpMM (CSR @ dense). The hand-written backward is two more SpMMs per head through the CSR of
+      the transposed selection (built once per `Selection`), an SDDMM for dP, and an SpMM for dQ: no
+      gathered copies of keys, no scatter-add. Cost O(B T K H D); saves P, O(B T H K).
+  masked (`masked_attention`): fused SDPA under the [T, S] boolean top-k mask, queries in blocks so
+      each block reads only the keys it can see: dense FLOPs, O(T S H D), in the fused kernel.
+`selected_attention` picks the cheaper by `attention_path`'s cost model and logs the choice once per
+shape. `sparse_attention_reference` is the dense masked O(T S d) einsum the tests check both against.
+Everything accumulates in fp32 (fp64 for fp64 inputs). No installable GPU kernel fits these shapes
+(see README, "DSA on GPU"), so CUDA tensors run these same paths (cuSPARSE / fused SDPA).
 """
 import functools
+import logging
+import math
+import warnings
 
 import torch
+import torch.nn.functional as F
 
-_BLOCK_ELEMS = 1 << 22  # temporaries per query block, in elements (16 MiB at fp32)
+logger = logging.getLogger(__name__)
+
+_BLOCK_ELEMS = 1 << 22  # temporaries per query block of the dense ops, in elements (16 MiB at fp32)
+_INDEX_BLOCK_ELEMS = 1 << 20  # indexer scores per query block: small enough to stay in cache
 
 
 def _acc_dtype(x: torch.Tensor) -> torch.dtype:
@@ -33,35 +47,10 @@ def _own_precision(fn):
     return wrapped
 
 
-def _blocks(T: int, elems_per_query: int):
-    n = max(1, _BLOCK_ELEMS // max(1, elems_per_query))
+def _blocks(T: int, elems_per_query: int, budget: int | None = None):
+    n = max(1, (_BLOCK_ELEMS if budget is None else budget) // max(1, elems_per_query))
     for t0 in range(0, T, n):
         yield t0, min(T, t0 + n)
-
-
-def _flat(indices: torch.Tensor, heads: int, S: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row numbers [B, heads, n, K] into x.flatten(0, 2) for x [B, heads, S, D] (empty slots sent to the
-    head's row 0), and the validity mask [B, n, K]."""
-    valid = indices >= 0
-    base = torch.arange(indices.shape[0] * heads, device=indices.device).view(-1, heads, 1, 1) * S
-    return indices.clamp(min=0)[:, None] + base, valid
-
-
-def _gather(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
-    """Rows of x [rows, D] at flat [..., K] -> [..., K, D]."""
-    return x.index_select(0, flat.flatten()).view(*flat.shape, x.shape[-1])
-
-
-def _scatter_add(out: torch.Tensor, flat: torch.Tensor, src: torch.Tensor) -> None:
-    """out[flat] += src, repeated rows summed (index_put_: ~8x faster than index_add_ on 2 CPU threads here)."""
-    out.index_put_((flat.flatten(),), src.reshape(-1, out.shape[-1]), accumulate=True)
-
-
-def _outer_sum(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a [..., G, K], b [..., G, D] -> a^T b = sum_g a[..., g, :, None] b[..., g, None, :], [..., K, D]."""
-    if a.shape[-2] == 1:  # an outer product: broadcasting is several times faster than bmm on CPU
-        return a.transpose(-1, -2) * b
-    return a.transpose(-1, -2) @ b
 
 
 def causal_mask(T: int, S: int, offset: int, device) -> torch.Tensor:
@@ -69,31 +58,132 @@ def causal_mask(T: int, S: int, offset: int, device) -> torch.Tensor:
     return torch.arange(S, device=device)[None, :] <= torch.arange(offset, offset + T, device=device)[:, None]
 
 
+# ---- the selection as sparse matrices -----------------------------------------------------------
+
+class Selection:
+    """`indices` [B, T, K] over S keys as a CSR matrix [B T, B S] (row b T + t, column b S + s, exactly K
+    entries per row; an empty slot points at column b S with its value forced to 0) and, built on first
+    use, the CSR of its transpose over the non-empty entries. Build once per layer call and pass it to
+    every op of that call: the transpose costs one sort of the B T K column numbers."""
+
+    def __init__(self, indices: torch.Tensor, num_keys: int):
+        B, T, K = indices.shape
+        self.indices, self.num_keys = indices, num_keys
+        self.valid = indices >= 0
+        base = torch.arange(B, device=indices.device).view(B, 1, 1) * num_keys
+        self.col = (indices.clamp(min=0) + base).flatten()
+        self.crow = torch.arange(0, B * T * K + 1, K, device=indices.device)
+
+    @property
+    def rows(self) -> int:
+        return self.indices.shape[0] * self.indices.shape[1]
+
+    @functools.cached_property
+    def _transposed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(crow, col, src) of the transpose [B S, B T] over the non-empty entries, rows sorted by key;
+        src[i] is the flat position (b T + t) K + k of the i-th entry in `values` order."""
+        B, T, K = self.indices.shape
+        filled = self.valid.flatten().nonzero().squeeze(1)
+        keys = self.col.index_select(0, filled)
+        src = filled.index_select(0, keys.int().sort(stable=True).indices)  # an int32 sort: twice as fast
+        query = torch.arange(B * T, device=keys.device).repeat_interleave(K).index_select(0, src)
+        crow = torch.zeros(B * self.num_keys + 1, dtype=torch.long, device=keys.device)
+        crow[1:] = torch.bincount(keys, minlength=B * self.num_keys).cumsum(0)
+        return crow, query, src
+
+    def matrix(self, values: torch.Tensor) -> torch.Tensor:
+        """CSR [B T, B S] with `values` [B T, K] at the selected entries."""
+        return _csr(self.crow, self.col, values.reshape(-1), (self.rows, self.col_count))
+
+    def matrix_t(self, values: torch.Tensor) -> torch.Tensor:
+        """CSR [B S, B T]: the transpose of matrix(values) (empty slots dropped)."""
+        crow, col, src = self._transposed
+        return _csr(crow, col, values.reshape(-1).index_select(0, src), (self.col_count, self.rows))
+
+    @property
+    def col_count(self) -> int:
+        return self.indices.shape[0] * self.num_keys
+
+    def sampled_dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a [B T, D], b [B S, D] -> [B T, K]: a[row] . b[col] at each selected entry (an SDDMM)."""
+        zeros = a.new_zeros(self.col.numel())
+        out = torch.sparse.sampled_addmm(self.matrix(zeros), a, b.t(), beta=0.0)
+        return out.values().view(self.rows, -1)
+
+
+def _csr(crow, col, values, size) -> torch.Tensor:
+    with warnings.catch_warnings():  # torch warns that CSR support is in beta
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
+
+
+def _as_selection(indices, num_keys: int) -> Selection:
+    return indices if isinstance(indices, Selection) else Selection(indices, num_keys)
+
+
+def _head_major(x: torch.Tensor, acc) -> torch.Tensor:
+    """[B, S, H, D] -> [H, B S, D] in acc dtype (contiguous per head, the dense operand of the SpMMs)."""
+    B, S, H, D = x.shape
+    return x.to(acc).permute(2, 0, 1, 3).reshape(H, B * S, D)
+
+
 # ---- lightning indexer --------------------------------------------------------------------------
 
 @_own_precision
 def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """Dense causal indexer scores [B, T, S] (fp32, -inf on future keys); differentiable, O(T S H_I d_I)
-    memory: the warm-up stage's indexer logits and the selection's building block."""
+    memory: the warm-up stage's indexer logits."""
     acc = _acc_dtype(q_i)
     dots = torch.einsum("bthd,bsd->bths", q_i.to(acc), k_i.to(acc)).relu()
     scores = torch.einsum("bth,bths->bts", w.to(acc), dots)
     return scores.masked_fill(~causal_mask(q_i.shape[1], k_i.shape[1], offset, q_i.device), float("-inf"))
 
 
+def _topk_chunks(S: int, k: int) -> int:
+    """Chunk count c of the two-stage top-k: c^-1 S + c k candidates are ranked, least at c = (S / k)^1/2."""
+    return int(math.sqrt(S / k))
+
+
+def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., k] of the k largest entries of x [..., S] along the last dim, in no order; exact up
+    to ties. Two stages when S >> k: split the row into c strided chunks of M = S / c entries (chunk j =
+    {j, M + j, 2M + j, ...}); the top k entries lie in the k chunks with the largest maxima (any entry
+    outside them is beaten by those k maxima), so rank the M chunk maxima, then the c k entries of the
+    k chunks kept."""
+    S = x.shape[-1]
+    c = _topk_chunks(S, k)
+    if c < 2:
+        return x.topk(k, dim=-1, sorted=False).indices
+    M = -(-S // c)
+    if c * M != S:
+        x = F.pad(x, (0, c * M - S), value=float("-inf"))
+    chunks = x.unflatten(-1, (c, M))  # [..., c, M]; chunk j is column j
+    cols = chunks.amax(-2).topk(k, dim=-1, sorted=False).indices  # [..., k] chunks kept
+    cand = chunks.gather(-1, cols.unsqueeze(-2).expand(*cols.shape[:-1], c, k)).flatten(-2)  # [..., c k]
+    j = cand.topk(k, dim=-1, sorted=False).indices
+    return cols.gather(-1, j % k) + (j // k) * M
+
+
 @_own_precision
 @torch.no_grad()
 def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, offset: int = 0) -> torch.Tensor:
     """indices [B, T, min(topk, S)] of the top-k visible keys by I per query, -1 where fewer than topk
-    keys are visible (so a prefix of <= topk keys is selected whole). Ties are broken arbitrarily."""
-    B, T, H_I, _ = q_i.shape
+    keys are visible (so a prefix of <= topk keys is selected whole). Ties are broken arbitrarily.
+    Per block of queries: one GEMM for q_i k_i^T over the keys the block can see, relu in place, the
+    head-weighted sum as a batched [1, H_I] x [H_I, S] product, the future keys of the block's diagonal
+    set to -inf, then `topk_indices`."""
+    B, T, H_I, d = q_i.shape
     S = k_i.shape[1]
     K = min(topk, S)
+    acc = _acc_dtype(q_i)
     out = torch.full((B, T, K), -1, dtype=torch.long, device=q_i.device)
-    for t0, t1 in _blocks(T, B * H_I * S):
-        S_blk = offset + t1  # keys visible to the last query of the block
-        scores = index_scores(q_i[:, t0:t1], k_i[:, :S_blk], w[:, t0:t1], offset + t0)
-        idx = scores.topk(min(K, S_blk), dim=-1).indices
+    kt = k_i.to(acc).transpose(1, 2)  # [B, d, S]
+    for t0, t1 in _blocks(T, H_I * S, _INDEX_BLOCK_ELEMS):
+        n, S_blk = t1 - t0, offset + t1  # keys visible to the block's last query
+        dots = torch.bmm(q_i[:, t0:t1].to(acc).reshape(B, n * H_I, d), kt[:, :, :S_blk]).relu_()
+        scores = torch.matmul(w[:, t0:t1, None].to(acc), dots.view(B, n, H_I, S_blk)).squeeze(2)  # [B, n, S_blk]
+        scores[:, :, offset + t0:].masked_fill_(~causal_mask(n, n, 0, q_i.device), float("-inf"))
+        idx = topk_indices(scores, min(K, S_blk))
         pos = torch.arange(offset + t0, offset + t1, device=q_i.device)
         out[:, t0:t1, : idx.shape[-1]] = idx.masked_fill(idx > pos[:, None], -1)
     return out
@@ -101,144 +191,172 @@ def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int,
 
 class _IndexScoresAt(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q_i, k_i, w, indices):
-        B, T, H_I, d = q_i.shape
-        K = indices.shape[-1]
+    def forward(ctx, q_i, k_i, w, sel):
         acc = _acc_dtype(q_i)
-        out = torch.empty(B, T, K, dtype=acc, device=q_i.device)
-        kf = k_i.flatten(0, 1)
-        for t0, t1 in _blocks(T, B * K * (d + H_I)):
-            flat, valid = _flat(indices[:, t0:t1], 1, k_i.shape[1])
-            ks = _gather(kf, flat[:, 0]).to(acc)  # [B, n, K, d]
-            dots = q_i[:, t0:t1].to(acc) @ ks.transpose(-1, -2)  # [B, n, H_I, K]
-            scores = (w[:, t0:t1, None].to(acc) @ dots.relu())[:, :, 0]
-            out[:, t0:t1] = scores.masked_fill(~valid, float("-inf"))
-        ctx.save_for_backward(q_i, k_i, w, indices)
-        return out
+        qh, kf = _head_major(q_i, acc), k_i.to(acc).flatten(0, 1)  # [H_I, B T, d], [B S, d]
+        dots = torch.stack([sel.sampled_dots(qh[j], kf) for j in range(qh.shape[0])])  # [H_I, B T, K]
+        wh = w.to(acc).permute(2, 0, 1).reshape(-1, sel.rows, 1)
+        scores = (dots.relu() * wh).sum(0).masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf"))
+        ctx.save_for_backward(q_i, k_i, w, dots)
+        ctx.sel = sel
+        return scores.view(sel.indices.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        q_i, k_i, w, indices = ctx.saved_tensors
+        q_i, k_i, w, dots = ctx.saved_tensors
+        sel = ctx.sel
+        acc = dots.dtype
+        qh, kf = _head_major(q_i, acc), k_i.to(acc).flatten(0, 1)
+        wh = w.to(acc).permute(2, 0, 1).reshape(-1, sel.rows, 1)
+        g = grad.to(acc).reshape(sel.rows, -1).masked_fill(~sel.valid.view(sel.rows, -1), 0)  # empty slots are constant
+        dw = (dots.relu() * g).sum(-1)  # [H_I, B T]
+        dq = torch.empty_like(qh)
+        dk = torch.zeros_like(kf)
+        for j in range(qh.shape[0]):
+            ddots = g * wh[j] * (dots[j] > 0)  # d relu(x) = [x > 0]
+            dq[j] = sel.matrix(ddots) @ kf
+            dk += sel.matrix_t(ddots) @ qh[j]
         B, T, H_I, d = q_i.shape
-        S, K = k_i.shape[1], indices.shape[-1]
-        acc = grad.dtype
-        dq = torch.empty(q_i.shape, dtype=acc, device=q_i.device)
-        dw = torch.empty(w.shape, dtype=acc, device=w.device)
-        dk = torch.zeros(B * S, d, dtype=acc, device=k_i.device)
-        kf = k_i.flatten(0, 1)
-        for t0, t1 in _blocks(T, B * K * (d + 2 * H_I)):
-            flat, valid = _flat(indices[:, t0:t1], 1, S)
-            ks = _gather(kf, flat[:, 0]).to(acc)
-            qb, wb = q_i[:, t0:t1].to(acc), w[:, t0:t1].to(acc)
-            g = grad[:, t0:t1].masked_fill(~valid, 0)[:, :, None]  # [B, n, 1, K]; empty slots are constant
-            dots = qb @ ks.transpose(-1, -2)
-            dw[:, t0:t1] = (dots.relu() * g).sum(-1)
-            ddots = g * wb[..., None] * (dots > 0)  # d relu(x) = [x > 0]
-            dq[:, t0:t1] = ddots @ ks
-            _scatter_add(dk, flat, _outer_sum(ddots, qb))
-        return dq.to(q_i.dtype), dk.view(k_i.shape).to(k_i.dtype), dw.to(w.dtype), None
+        dq = dq.view(H_I, B, T, d).permute(1, 2, 0, 3)
+        return dq.to(q_i.dtype), dk.view(k_i.shape).to(k_i.dtype), dw.T.reshape(w.shape).to(w.dtype), None
 
 
 @_own_precision
-def index_scores_at(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+def index_scores_at(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, indices) -> torch.Tensor:
     """Indexer scores at the selected keys only: [B, T, K] (fp32), -inf in empty slots; differentiable
-    in q_i, k_i, w; O(T K d_I) compute, O(T K) saved memory (the sparse stage's indexer logits)."""
-    return _IndexScoresAt.apply(q_i, k_i, w, indices)
+    in q_i, k_i, w; O(T K H_I d_I) compute through SDDMM / SpMM (`indices` a tensor or its Selection)."""
+    return _IndexScoresAt.apply(q_i, k_i, w, _as_selection(indices, k_i.shape[1]))
 
 
 # ---- attention over the selected keys -----------------------------------------------------------
 
-def _by_head(x: torch.Tensor) -> torch.Tensor:
-    """[B, S, Hkv, D] -> rows [B * Hkv * S, D], the layout gathered from."""
-    return x.transpose(1, 2).flatten(0, 2)
-
-
-def _selected_logits(qb, kh, flat, valid, scale):
-    """qb [B, Hkv, n, G, D] (acc dtype) against the gathered keys -> (logits [B, Hkv, n, G, K], -inf in
-    empty slots; gathered keys [B, Hkv, n, K, D])."""
-    ks = _gather(kh, flat).to(qb.dtype)
-    s = (qb @ ks.transpose(-1, -2)) * scale
-    return s.masked_fill(~valid[:, None, :, None, :], float("-inf")), ks
-
-
-def _query_block(x: torch.Tensor, t0: int, t1: int, Hkv: int, acc) -> torch.Tensor:
-    """x[:, t0:t1] [B, n, H, D] -> [B, Hkv, n, G, D] in acc dtype."""
-    B, _, H, D = x.shape
-    return x[:, t0:t1].to(acc).view(B, t1 - t0, Hkv, H // Hkv, D).transpose(1, 2)
-
-
 class _SparseAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, indices, scale):
-        B, T, H, D = q.shape
-        S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-        K, G = indices.shape[-1], H // Hkv
+    def forward(ctx, q, k, v, sel, scale):
+        B, T, H, _ = q.shape
+        Hkv, Dv = k.shape[2], v.shape[3]
+        G = H // Hkv
         acc = _acc_dtype(q)
-        kh, vh = _by_head(k), _by_head(v)
-        o = torch.empty(B, T, H, Dv, dtype=q.dtype, device=q.device)
-        lse = torch.empty(B, Hkv, T, G, dtype=acc, device=q.device)
-        for t0, t1 in _blocks(T, B * K * (Hkv * (D + Dv) + 2 * H)):
-            flat, valid = _flat(indices[:, t0:t1], Hkv, S)
-            s, _ = _selected_logits(_query_block(q, t0, t1, Hkv, acc), kh, flat, valid, scale)
-            lse[:, :, t0:t1] = s.logsumexp(-1)
-            p = (s - lse[:, :, t0:t1, :, None]).exp()  # softmax over the selected keys
-            ob = p @ _gather(vh, flat).to(acc)  # [B, Hkv, n, G, Dv]
-            o[:, t0:t1] = ob.transpose(1, 2).reshape(B, t1 - t0, H, Dv).to(q.dtype)
-        ctx.save_for_backward(q, k, v, indices, o, lse)
-        ctx.scale = scale
-        return o
+        qh, kh, vh = _head_major(q, acc), _head_major(k, acc), _head_major(v, acc)
+        s = torch.stack([sel.sampled_dots(qh[h], kh[h // G]) for h in range(H)])  # [H, B T, K]
+        p = s.mul_(scale).masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf")).softmax(-1)
+        o = torch.stack([sel.matrix(p[h]) @ vh[h // G] for h in range(H)])  # [H, B T, Dv]
+        ctx.save_for_backward(q, k, v, o, p)
+        ctx.sel, ctx.scale = sel, scale
+        probs = p.mean(0).view(sel.indices.shape)  # head-averaged, the indexer's KL target
+        ctx.mark_non_differentiable(probs)
+        return o.view(H, B, T, Dv).permute(1, 2, 0, 3).to(q.dtype).contiguous(), probs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, do):
-        q, k, v, indices, o, lse = ctx.saved_tensors
-        scale = ctx.scale
+    def backward(ctx, do, _):
+        q, k, v, o, p = ctx.saved_tensors
+        sel, scale = ctx.sel, ctx.scale
         B, T, H, D = q.shape
         S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
-        K = indices.shape[-1]
-        acc = lse.dtype
-        kh, vh = _by_head(k), _by_head(v)
-        dq = torch.empty(B, T, H, D, dtype=acc, device=q.device)
-        dk = torch.zeros(B * Hkv * S, D, dtype=acc, device=q.device)
-        dv = torch.zeros(B * Hkv * S, Dv, dtype=acc, device=q.device)
-        for t0, t1 in _blocks(T, B * K * (2 * Hkv * (D + Dv) + 3 * H)):
-            flat, valid = _flat(indices[:, t0:t1], Hkv, S)
-            qb = _query_block(q, t0, t1, Hkv, acc)
-            s, ks = _selected_logits(qb, kh, flat, valid, scale)
-            p = (s - lse[:, :, t0:t1, :, None]).exp()
-            vs = _gather(vh, flat).to(acc)
-            dob = _query_block(do, t0, t1, Hkv, acc)
-            delta = (dob * _query_block(o, t0, t1, Hkv, acc)).sum(-1, keepdim=True)  # sum_j p_j dp_j
-            ds = p * (dob @ vs.transpose(-1, -2) - delta) * scale  # softmax backward, times d(logit)/d(q.k)
-            dq[:, t0:t1] = (ds @ ks).transpose(1, 2).reshape(B, t1 - t0, H, D)
-            _scatter_add(dk, flat, _outer_sum(ds, qb))
-            _scatter_add(dv, flat, _outer_sum(p, dob))
-        dk = dk.view(B, Hkv, S, D).transpose(1, 2).to(k.dtype)
-        dv = dv.view(B, Hkv, S, Dv).transpose(1, 2).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None
+        G = H // Hkv
+        acc = p.dtype
+        qh, kh, vh, dob = _head_major(q, acc), _head_major(k, acc), _head_major(v, acc), _head_major(do, acc)
+        delta = (dob * o).sum(-1, keepdim=True)  # [H, B T, 1]: sum_j p_j dp_j
+        dq = torch.empty_like(qh)
+        dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)
+        for h in range(H):
+            dp = sel.sampled_dots(dob[h], vh[h // G])
+            ds = p[h] * (dp - delta[h]) * scale  # softmax backward, times d(logit)/d(q.k); 0 in empty slots
+            dq[h] = sel.matrix(ds) @ kh[h // G]
+            dk[h // G] += sel.matrix_t(ds) @ qh[h]
+            dv[h // G] += sel.matrix_t(p[h]) @ dob[h]
+        by_token = lambda x, heads: x.view(heads, B, -1, x.shape[-1]).permute(1, 2, 0, 3)  # noqa: E731
+        return (by_token(dq, H).to(q.dtype), by_token(dk, Hkv).to(k.dtype), by_token(dv, Hkv).to(v.dtype),
+                None, None)
+
+
+def _scale(q: torch.Tensor, scale: float | None) -> float:
+    return q.shape[-1] ** -0.5 if scale is None else scale
 
 
 @_own_precision
-def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                     scale: float | None = None) -> torch.Tensor:
-    """Gather path: o[t, h] = sum_{s in indices[t]} softmax_s(scale q[t, h] . k[s, h']) v[s, h'] (h' the
-    KV head of h), [B, T, H, Dv]; every query needs at least one selected key."""
-    return _SparseAttention.apply(q, k, v, indices, q.shape[-1] ** -0.5 if scale is None else scale)
+def sparse_attention_with_probs(q, k, v, indices, scale: float | None = None):
+    """The sparse path: (o [B, T, H, Dv], p [B, T, K]), o[t, h] = sum_{s in indices[t]} softmax_s(scale
+    q[t, h] . k[s, h']) v[s, h'] (h' the KV head of h), differentiable in q, k, v; p the head-averaged
+    softmax over the selected keys (detached, 0 in empty slots). Every query needs one selected key."""
+    return _SparseAttention.apply(q, k, v, _as_selection(indices, k.shape[1]), _scale(q, scale))
+
+
+def sparse_attention(q, k, v, indices, scale: float | None = None) -> torch.Tensor:
+    """The sparse path's output alone."""
+    return sparse_attention_with_probs(q, k, v, indices, scale)[0]
+
+
+@_own_precision
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices, scale: float | None = None
+                     ) -> torch.Tensor:
+    """The masked path: the same attention as `sparse_attention` through fused SDPA under the boolean
+    top-k mask, per block of queries over the keys the block can see (the T queries are the last T of
+    the S keys); autograd through SDPA. Dense FLOPs, O(T S H D)."""
+    indices = indices.indices if isinstance(indices, Selection) else indices
+    B, T, H, D = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    qh, kh, vh = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H(kv), T, D]
+    outs = []
+    for t0, t1 in _blocks(T, B * (H + 1) * S):
+        keys = S - T + t1  # keys the block's last query can see
+        slots = indices[:, t0:t1].masked_fill(indices[:, t0:t1] < 0, keys)  # empty slots -> a dropped column
+        mask = torch.zeros(B, t1 - t0, keys + 1, dtype=torch.bool, device=q.device).scatter_(-1, slots, True)
+        outs.append(F.scaled_dot_product_attention(qh[:, :, t0:t1], kh[:, :, :keys], vh[:, :, :keys],
+                                                   attn_mask=mask[:, None, :, :keys], scale=_scale(q, scale),
+                                                   enable_gqa=H != Hkv))
+    return torch.cat(outs, 2).transpose(1, 2)
+
+
+# Time of the sparse path per selected key over the masked path's per visible key, both per query head
+# and fwd + bwd; the CPU figure is measured by `python scripts/bench.py dsa` (it prints both paths and
+# this model's pick). CUDA: unmeasured guess (cuSPARSE SDDMM/SpMM vs fused masked SDPA).
+SPARSE_KEY_COST = {"cpu": 4.0, "cuda": 30.0}
+_logged_choices: set = set()
+
+
+def attention_path(T: int, S: int, K: int, heads: int, kv_heads: int, device_type: str) -> str:
+    """"sparse" or "masked", whichever the cost model says is cheaper for T queries (the last T of S keys)
+    selecting K keys each. Both paths cost per query head (SDPA expands GQA; the sparse path runs an
+    SDDMM/SpMM per query head), so heads and KV heads scale both alike and the choice reduces to
+    K * SPARSE_KEY_COST[device] vs the mean keys a query block reads, S - T / 2. Logs the first use of
+    each path per (device, top-k, heads, KV heads)."""
+    masked_keys = S - T / 2
+    choice = "sparse" if K * SPARSE_KEY_COST.get(device_type, SPARSE_KEY_COST["cuda"]) < masked_keys else "masked"
+    key = (choice, device_type, K, heads, kv_heads)  # not T, S: decoding would log every token
+    if key not in _logged_choices:
+        _logged_choices.add(key)
+        logger.info("dsa attention: %s path from T=%d, S=%d on (top-k %d, %d heads / %d KV heads, %s)",
+                    choice, T, S, K, heads, kv_heads, device_type)
+    return choice
+
+
+def selected_attention(q, k, v, indices, scale: float | None = None, with_probs: bool = False):
+    """Attention over the selected keys by the path `attention_path` picks: (o, p), p as in
+    `sparse_attention_with_probs` when with_probs (else None)."""
+    B, T, H, _ = q.shape
+    S, Hkv = k.shape[1], k.shape[2]
+    if attention_path(T, S, indices.indices.shape[-1] if isinstance(indices, Selection) else indices.shape[-1],
+                      H, Hkv, q.device.type) == "sparse":
+        o, p = sparse_attention_with_probs(q, k, v, indices, scale)
+        return o, (p if with_probs else None)
+    o = masked_attention(q, k, v, indices, scale)
+    return o, (selected_attention_probs(q, k, indices, scale) if with_probs else None)
 
 
 @_own_precision
 def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
                                scale: float | None = None) -> torch.Tensor:
-    """Dense masked path, O(T S d): the same attention as `sparse_attention` through a [B, T, S] mask."""
+    """Dense masked einsum, O(T S d): the attention both paths compute, through a [B, T, S] mask."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    scale = D**-0.5 if scale is None else scale
     # Empty slots scatter into an extra column that is dropped.
     selected = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
     selected = selected.scatter(-1, indices.masked_fill(indices < 0, S), True)[..., :S]
     k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
-    s = torch.einsum("bthd,bshd->bhts", q, k) * scale
+    s = torch.einsum("bthd,bshd->bhts", q, k) * _scale(q, scale)
     p = s.masked_fill(~selected[:, None], float("-inf")).softmax(-1)
     return torch.einsum("bhts,bshd->bthd", p, v)
 
@@ -247,22 +365,18 @@ def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 @_own_precision
 @torch.no_grad()
-def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices: torch.Tensor,
-                             scale: float | None = None) -> torch.Tensor:
+def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices, scale: float | None = None) -> torch.Tensor:
     """p [B, T, K]: softmax over the selected keys, averaged over heads (so L1-normalised), 0 in empty
-    slots; the sparse stage's indexer target."""
-    B, T, H, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    K = indices.shape[-1]
-    scale = D**-0.5 if scale is None else scale
+    slots; the sparse stage's indexer target (one SDDMM per head)."""
+    sel = _as_selection(indices, k.shape[1])
+    H, G = q.shape[2], q.shape[2] // k.shape[2]
     acc = _acc_dtype(q)
-    p = torch.empty(B, T, K, dtype=acc, device=q.device)
-    kh = _by_head(k)
-    for t0, t1 in _blocks(T, B * K * (Hkv * D + 2 * H)):
-        flat, valid = _flat(indices[:, t0:t1], Hkv, S)
-        s, _ = _selected_logits(_query_block(q, t0, t1, Hkv, acc), kh, flat, valid, scale)
-        p[:, t0:t1] = s.softmax(-1).mean((1, 3))
-    return p
+    qh, kh = _head_major(q, acc), _head_major(k, acc)
+    p = torch.zeros(sel.rows, sel.indices.shape[-1], dtype=acc, device=q.device)
+    for h in range(H):
+        s = sel.sampled_dots(qh[h], kh[h // G]).mul_(_scale(q, scale))
+        p += s.masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf")).softmax(-1)
+    return (p / H).view(sel.indices.shape)
 
 
 @_own_precision
@@ -273,13 +387,12 @@ def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
     warm-up indexer target and the reference for top-k recall."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    scale = D**-0.5 if scale is None else scale
     acc = _acc_dtype(q)
     kf = k.to(acc)
     p = torch.empty(B, T, S, dtype=acc, device=q.device)
     for t0, t1 in _blocks(T, 2 * B * H * S):
         qb = q[:, t0:t1].to(acc).view(B, t1 - t0, Hkv, H // Hkv, D)
-        s = torch.einsum("bnhgd,bshd->bnhgs", qb, kf) * scale
+        s = torch.einsum("bnhgd,bshd->bnhgs", qb, kf) * _scale(q, scale)
         mask = causal_mask(t1 - t0, S, offset + t0, q.device)
         p[:, t0:t1] = s.masked_fill(~mask[None, :, None, None], float("-inf")).softmax(-1).mean((2, 3))
     return p

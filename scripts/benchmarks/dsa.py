@@ -1,17 +1,22 @@
-"""DSA attention core speed and activation memory beside dense causal SDPA of the same shape.
+"""DSA speed beside dense causal SDPA and transformers' masked DSA, as ratios of 1-thread process CPU
+time (time.process_time under torch.set_num_threads(1)): cases take turns within each round, so load
+from other processes on a shared CPU hits all alike; medians over rounds.
 
 The DSA core is what the `dsa` mixer runs between its projections in the sparse stage: lightning
-indexer scores + top-k selection (no grad), attention over the selected keys (gather path, fwd+bwd),
-and the indexer KL over the selected keys (fwd+bwd). Dense is F.scaled_dot_product_attention (causal).
-Both take the same q, k, v [B, T, H, D]; the indexer gets H_I heads of d_I. Activation memory is
-autograd's saved tensors (scripts/benchmarks/common.saved_activation_bytes), inputs included once.
+indexer scores + top-k selection (no grad), attention over the selected keys by the path
+`attention_path` picks (the sparse SDDMM/SpMM path or the masked fused-SDPA path), and the indexer
+KL over the selected keys (fwd+bwd). Dense is F.scaled_dot_product_attention (causal). All take the
+same q, k, v [B, T, H, D]; the indexer gets H_I heads of d_I.
 
 Peer from transformers: DeepSeek-V3.2's `DeepseekV32Indexer` (its own projections from a hidden state
-of width 256; inference-only, no grad) followed by SDPA under the [T, S] top-k mask it feeds its
-eager/sdpa attention, forward only: the masked path, whose cost stays O(T^2).
-Timings are wall-clock, interleaved rounds, median of medians. On a CPU shared with other jobs, run with
-OMP_NUM_THREADS=1: oversubscribed multi-threaded gathers and scatters slow down erratically (10x+).
+of width 256; no grad, it has no indexer loss) followed by SDPA under the [T, T] top-k mask it feeds
+its eager/sdpa attention, forward and forward+backward: the masked path whose cost stays O(T^2).
+Its work matches "DSA index + top-k + attention"; our full core also trains the indexer (KL).
+
+Model level: a 1-layer DecoderLM (d 256, 4 heads of 64, SwiGLU 768, vocab 512) with attention=dsa
+(top-k 256) vs attention=softmax, fwd + bwd + AdamW at B 1, for 1 and for 4 KV heads.
 """
+import math
 from pathlib import Path
 
 import torch
@@ -19,12 +24,12 @@ import torch.nn.functional as F
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 
+import model.ops.sparse_attention as sa
+from model import DecoderLM, LMConfig
 from model.layers import RotaryEmbedding
 from model.mixers.dsa import indexer_kl
 from model.mixers.softmax import attend
-from model.ops.sparse_attention import (index_scores_at, index_topk, selected_attention_probs,
-                                        sparse_attention)
-from scripts.benchmarks.common import markdown_table, saved_activation_bytes, time_call
+from scripts.benchmarks.common import cpu_times, markdown_table, matmul_peak_gflops, saved_activation_bytes
 
 ROOT = Path(__file__).resolve().parents[2]
 B, H, D, H_I, D_I, TOPK = 1, 4, 64, 4, 32, 256
@@ -43,20 +48,19 @@ def dense_loss(x: dict) -> torch.Tensor:
 
 
 def selection(x: dict) -> torch.Tensor:
-    return index_topk(x["q_i"], x["k_i"], x["w"], TOPK)
+    return sa.index_topk(x["q_i"], x["k_i"], x["w"], TOPK)
 
 
-def attention_loss(x: dict, idx: torch.Tensor) -> torch.Tensor:
-    return (sparse_attention(x["q"], x["k"], x["v"], idx) * x["grad"]).sum()
+def path_loss(x: dict, idx: torch.Tensor, path) -> torch.Tensor:
+    return (path(x["q"], x["k"], x["v"], idx) * x["grad"]).sum()
 
 
-def kl_loss(x: dict, idx: torch.Tensor) -> torch.Tensor:
-    return indexer_kl(selected_attention_probs(x["q"], x["k"], idx), index_scores_at(x["q_i"], x["k_i"], x["w"], idx))
-
-
-def dsa_loss(x: dict) -> torch.Tensor:
-    idx = selection(x)
-    return attention_loss(x, idx) + kl_loss(x, idx)
+def dsa_loss(x: dict, with_kl: bool = True) -> torch.Tensor:
+    """The mixer's sparse-stage core: select, attend by the dispatched path, indexer KL."""
+    sel = sa.Selection(selection(x), x["k"].shape[1])
+    o, p = sa.selected_attention(x["q"], x["k"], x["v"], sel, with_probs=with_kl)
+    loss = (o * x["grad"]).sum()
+    return loss + indexer_kl(p, sa.index_scores_at(x["q_i"], x["k_i"], x["w"], sel)) if with_kl else loss
 
 
 def fwd_bwd(loss_fn):
@@ -70,15 +74,17 @@ def forward_only(fn):
     return step
 
 
-def hf_masked_peer(T: int):
-    """transformers' DSA forward: DeepseekV32Indexer top-k -> boolean mask -> SDPA (dense cost)."""
+def hf_masked_peer(T: int, kv_heads: int = H, backward: bool = False):
+    """transformers' DSA: DeepseekV32Indexer top-k -> boolean mask -> SDPA (dense cost)."""
     d = 256
     cfg = DeepseekV32Config(hidden_size=d, q_lora_rank=d, index_n_heads=H_I, index_head_dim=D_I,
                             qk_rope_head_dim=D_I // 2, index_topk=TOPK)
     indexer = DeepseekV32Indexer(cfg, 0)
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(B, T, d, generator=g)
-    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    q = torch.randn(B, H, T, D, generator=g).requires_grad_(backward)
+    k, v = (torch.randn(B, kv_heads, T, D, generator=g).requires_grad_(backward) for _ in range(2))
+    grad = torch.randn(B, H, T, D, generator=g)
     cos, sin = RotaryEmbedding(D_I // 2).cos_sin(0, T, "cpu")
     causal = torch.ones(T, T, dtype=torch.bool).tril()[None]
 
@@ -86,67 +92,144 @@ def hf_masked_peer(T: int):
         with torch.no_grad():
             idx = indexer(hidden, hidden, (cos[None], sin[None]), causal, None)
             selected = torch.zeros(B, T, T, dtype=torch.bool).scatter(-1, idx.long(), True)
-            F.scaled_dot_product_attention(q, k, v, attn_mask=(selected & causal)[:, None])
+        with torch.set_grad_enabled(backward):
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=(selected & causal)[:, None],
+                                               enable_gqa=kv_heads != H)
+            if backward:
+                (o * grad).sum().backward()
     return step
 
 
-def measure(cases: dict, rounds: int, iters: int) -> dict:
+def measure(cases: dict, rounds: int) -> dict:
+    """Median CPU seconds per case over rounds, the cases taking turns within each round (each round's
+    call to a case follows one warm-up call of it)."""
     times = {name: [] for name in cases}
-    for _ in range(rounds):  # interleaved, so load from other processes hits all alike
+    for _ in range(rounds):
         for name, fn in cases.items():
-            times[name].append(time_call(fn, warmup=1, iters=iters))
+            times[name] += cpu_times(fn, iters=1)
     return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
-def run(quick: bool) -> str:
-    torch.manual_seed(0)
-    T_head = 2048 if quick else 4096
-    lengths = [512, 1024, 2048] if quick else [1024, 2048, 4096, 8192]
-    rounds, iters = (1, 1) if quick else (2, 1)
+def sparse_gflops(x: dict, idx: torch.Tensor, seconds: float) -> float:
+    """fwd (q.k and p.v) + bwd (dp, dq, dk, dv): 6 products of 2 D FLOPs per selected (query head, key)."""
+    return 6 * 2 * D * H * int((idx >= 0).sum()) / seconds / 1e9
 
-    # ---- headline shape: components, peer, memory ----
-    x, mqa = make_inputs(T_head), make_inputs(T_head, kv_heads=1)
+
+def components(T: int, rounds: int) -> tuple[str, dict]:
+    x, mqa = make_inputs(T), make_inputs(T, kv_heads=1)
     idx = selection(x)
-    full = "DSA core fwd+bwd (index + top-k + sparse attn + indexer KL)"
+    core = "DSA core fwd+bwd (index + top-k + attention + indexer KL)"
     cases = {
         "dense SDPA fwd+bwd": fwd_bwd(lambda: dense_loss(x)),
-        full: fwd_bwd(lambda: dsa_loss(x)),
+        core: fwd_bwd(lambda: dsa_loss(x)),
+        "DSA index + top-k + attention fwd+bwd (the peer's work)": fwd_bwd(lambda: dsa_loss(x, with_kl=False)),
+        "transformers DeepseekV32Indexer + top-k-masked SDPA fwd+bwd": hf_masked_peer(T, backward=True),
         "  index + top-k (no grad)": forward_only(lambda: selection(x)),
-        "  sparse attention fwd+bwd (given indices)": fwd_bwd(lambda: attention_loss(x, idx)),
-        "  indexer KL fwd+bwd (given indices)": fwd_bwd(lambda: kl_loss(x, idx)),
+        "  sparse path fwd+bwd (given indices)": fwd_bwd(lambda: path_loss(x, idx, sa.sparse_attention)),
+        "  masked path fwd+bwd (given indices)": fwd_bwd(lambda: path_loss(x, idx, sa.masked_attention)),
+        "  indexer KL fwd+bwd (given indices)": fwd_bwd(
+            lambda: indexer_kl(sa.selected_attention_probs(x["q"], x["k"], idx),
+                               sa.index_scores_at(x["q_i"], x["k_i"], x["w"], idx))),
         "dense SDPA fwd": forward_only(lambda: dense_loss(x)),
-        "DSA core fwd": forward_only(lambda: dsa_loss(x)),
-        "transformers DeepseekV32Indexer + top-k-masked SDPA fwd": hf_masked_peer(T_head),
+        "DSA core fwd": forward_only(lambda: dsa_loss(x, with_kl=False)),
+        "transformers DeepseekV32Indexer + top-k-masked SDPA fwd": hf_masked_peer(T),
         "dense SDPA fwd+bwd, 1 KV head (MQA)": fwd_bwd(lambda: dense_loss(mqa)),
         "DSA core fwd+bwd, 1 KV head (MQA, as DeepSeek's MLA)": fwd_bwd(lambda: dsa_loss(mqa)),
     }
-    t = measure(cases, rounds, iters)
-    mem = {"dense SDPA fwd+bwd": saved_activation_bytes(lambda: dense_loss(x)),
-           full: saved_activation_bytes(lambda: dsa_loss(x)),
-           "dense SDPA fwd+bwd, 1 KV head (MQA)": saved_activation_bytes(lambda: dense_loss(mqa)),
-           "DSA core fwd+bwd, 1 KV head (MQA, as DeepSeek's MLA)": saved_activation_bytes(lambda: dsa_loss(mqa))}
+    t = measure(cases, rounds)
+    mem = {name: saved_activation_bytes(fn) for name, fn in
+           (("dense SDPA fwd+bwd", lambda: dense_loss(x)), (core, lambda: dsa_loss(x)))}
     base = t["dense SDPA fwd+bwd"]
     rows = [[name, f"{1e3 * s:.1f}", f"{base / s:.2f}x", f"{mem[name] / 2**20:.1f}" if name in mem else ""]
             for name, s in t.items()]
-    report = [f"B={B}, T={T_head}, H={H} (KV heads {H}), D={D}, indexer {H_I} heads x {D_I}, top-k {TOPK}; "
-              f"fp32 CPU, {torch.get_num_threads()} threads. Speed-up is against dense SDPA fwd+bwd.", "",
-              markdown_table(["case", "ms", "speed-up vs dense fwd+bwd", "saved activations MiB"], rows)]
+    return markdown_table(["case", "CPU ms", "speed-up vs dense fwd+bwd", "saved activations MiB"], rows), \
+        dict(t=t, gflops=sparse_gflops(x, idx, t["  sparse path fwd+bwd (given indices)"]))
 
-    # ---- scaling ----
-    rows, curves = [], {"dense SDPA": [], "DSA core": []}
+
+def peer_scaling(lengths: list[int], rounds: int) -> tuple[str, dict]:
+    rows, curves = [], {"dense SDPA": [], "DSA core": [], "transformers masked DSA": []}
     for T in lengths:
         x = make_inputs(T)
-        ts = measure({"dense SDPA": fwd_bwd(lambda: dense_loss(x)), "DSA core": fwd_bwd(lambda: dsa_loss(x))},
-                     rounds, iters)
-        md = saved_activation_bytes(lambda: dense_loss(x)) / 2**20
-        ms = saved_activation_bytes(lambda: dsa_loss(x)) / 2**20
-        curves["dense SDPA"].append(ts["dense SDPA"])
-        curves["DSA core"].append(ts["DSA core"])
-        rows.append([T, f"{1e3 * ts['dense SDPA']:.1f}", f"{1e3 * ts['DSA core']:.1f}",
-                     f"{ts['dense SDPA'] / ts['DSA core']:.2f}x", f"{md:.1f}", f"{ms:.1f}"])
-    report += ["", f"Scaling, fwd+bwd (top-k {TOPK}):", "",
-               markdown_table(["T", "dense SDPA ms", "DSA core ms", "DSA speed-up", "dense MiB", "DSA MiB"], rows)]
-    report += ["", f"Plot: {plot(lengths, curves)}"]
+        idx = selection(x)
+        cases = {"dense": fwd_bwd(lambda: dense_loss(x)), "core": fwd_bwd(lambda: dsa_loss(x)),
+                 "ours": fwd_bwd(lambda: dsa_loss(x, with_kl=False)), "peer": hf_masked_peer(T, backward=True),
+                 "ours fwd": forward_only(lambda: dsa_loss(x, with_kl=False)), "peer fwd": hf_masked_peer(T),
+                 "sparse": fwd_bwd(lambda: path_loss(x, idx, sa.sparse_attention)),
+                 "masked": fwd_bwd(lambda: path_loss(x, idx, sa.masked_attention))}
+        t = measure(cases, rounds)
+        for name, key in (("dense SDPA", "dense"), ("DSA core", "core"), ("transformers masked DSA", "peer")):
+            curves[name].append(t[key])
+        chosen = sa.attention_path(T, T, TOPK, H, H, "cpu")
+        # the sparse path's cost per selected key over the masked path's per visible key (SPARSE_KEY_COST)
+        key_cost = (t["sparse"] / (T * TOPK)) / (t["masked"] / (T * T / 2))
+        rows.append([T, f"{1e3 * t['dense']:.0f}", f"{1e3 * t['core']:.0f}", f"{t['dense'] / t['core']:.2f}x",
+                     f"{t['peer'] / t['ours']:.2f}x", f"{t['peer fwd'] / t['ours fwd']:.2f}x",
+                     f"{1e3 * t['sparse']:.0f} / {1e3 * t['masked']:.0f}", chosen, f"{key_cost:.1f}"])
+    header = ["T", "dense SDPA ms", "DSA core ms", "core vs dense", "vs transformers fwd+bwd",
+              "vs transformers fwd", "sparse / masked path ms", "cost model picks", "measured key cost"]
+    return markdown_table(header, rows), curves
+
+
+def model_step(attention: str, kv_heads: int, T: int):
+    torch.manual_seed(0)
+    cfg = LMConfig(vocab_size=512, hidden_size=256, num_hidden_layers=1, num_attention_heads=H,
+                   num_key_value_heads=kv_heads, intermediate_size=768, max_position_embeddings=T,
+                   attention=attention, mixer_options={"dsa": {"topk": TOPK, "index_heads": H_I,
+                                                               "index_head_dim": D_I}})
+    lm = DecoderLM(cfg)
+    opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
+    batch = torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        lm(input_ids=batch, labels=batch).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
+def crossover(lengths: list[int], ratios: list[float]) -> str:
+    """First T where dsa/softmax tokens/s reaches 1, log-interpolated between the measured lengths."""
+    for (t0, r0), (t1, r1) in zip(zip(lengths, ratios), zip(lengths[1:], ratios[1:])):
+        if r0 < 1 <= r1:
+            f = math.log(r0) / (math.log(r0) - math.log(r1))
+            return f"~{round(t0 * (t1 / t0) ** f)} (between {t0} and {t1})"
+    if ratios[0] >= 1:
+        return f"<= {lengths[0]}"
+    return f"> {lengths[-1]}"
+
+
+def model_level(lengths: list[int], rounds: int) -> str:
+    rows, notes = [], []
+    for kv in (1, H):
+        ratios = []
+        for T in lengths:
+            t = measure({"softmax": model_step("softmax", kv, T), "dsa": model_step("dsa", kv, T)}, rounds)
+            ratios.append(t["softmax"] / t["dsa"])
+            rows.append([kv, T, f"{B * T / t['softmax']:,.0f}", f"{B * T / t['dsa']:,.0f}", f"{ratios[-1]:.2f}x"])
+        notes.append(f"crossover with {kv} KV head{'s' if kv > 1 else ''}: T {crossover(lengths, ratios)}")
+    return markdown_table(["KV heads", "T", "softmax tokens/s", "dsa tokens/s", "dsa / softmax"], rows) + \
+        "\n\n" + "; ".join(notes)
+
+
+def run(quick: bool) -> str:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    T_head = 1024 if quick else 4096
+    peer_lengths = [512, 1024] if quick else [1024, 2048, 4096, 8192]
+    model_lengths = [1024, 2048] if quick else [2048, 4096, 8192, 16384]
+    rounds = 1 if quick else 3
+    peak = matmul_peak_gflops()
+    table, head = components(T_head, rounds)
+    report = [f"B={B}, T={T_head}, H={H} (KV heads {H} unless noted), D={D}, indexer {H_I} heads x {D_I}, top-k "
+              f"{TOPK}; fp32, 1 thread, median 1-thread process CPU time of {rounds} interleaved rounds. "
+              f"Sparse path: {head['gflops']:.1f} GFLOP/s fwd+bwd = {100 * head['gflops'] / peak:.0f}% of the "
+              f"1-thread fp32 matmul peak measured in this run ({peak:.0f} GFLOP/s).", "", table]
+    scaling, curves = peer_scaling(peer_lengths, rounds)
+    report += ["", f"Scaling, fwd+bwd unless noted (top-k {TOPK}, {H} KV heads); 'vs transformers' is its time "
+               "over ours for the same work (index + top-k + attention); the measured key cost is the sparse "
+               "path's time per selected key over the masked path's per visible key (the cost model uses "
+               f"{sa.SPARSE_KEY_COST['cpu']}):", "", scaling, "", f"Plot: {plot(peer_lengths, curves)}"]
+    report += ["", "Model level, 1-layer d 256 LM, fwd + bwd + AdamW, B 1:", "", model_level(model_lengths, rounds)]
     return "\n".join(report)
 
 
@@ -161,7 +244,7 @@ def plot(lengths: list[int], curves: dict) -> str:
     fig, ax = plt.subplots(figsize=(5, 3.5))
     for name, ys in curves.items():
         ax.plot(lengths, [1e3 * y for y in ys], marker="o", label=name)
-    ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="fwd+bwd ms",
+    ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="fwd+bwd CPU ms (1 thread)",
            title=f"attention core, B={B} H={H} D={D}, top-k {TOPK}")
     ax.minorticks_off()
     ax.set_xticks(lengths, [str(t) for t in lengths])
@@ -170,3 +253,44 @@ def plot(lengths: list[int], curves: dict) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return str(path.relative_to(ROOT))
+
+
+def check_dsa_on_cuda(device: str = "cuda", T: int = 300, topk: int = 32) -> list[str]:
+    """Mismatch messages (empty = all match) between the DSA ops on `device` and on the CPU for the
+    same fp32 inputs: top-k selection (compared by selected score values: ties may pick other keys),
+    both attention paths and the dispatch (outputs and q, k, v gradients), and the indexer scores at
+    the selection (values and gradients); GQA with 1, 2 and 4 KV heads, T not a multiple of any block."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        return ["no CUDA device"]
+    messages = []
+
+    def compare(name, cpu, dev, tol=1e-4):
+        for i, (a, b) in enumerate(zip(cpu, dev)):
+            if not torch.allclose(a, b.cpu(), atol=tol, rtol=tol):
+                messages.append(f"{name} [{i}]: max |diff| {(a - b.cpu()).abs().max().item():.3g}")
+
+    def run_op(op, inputs, on):
+        xs = [t.detach().to(on).requires_grad_() for t in inputs]
+        out = op(*xs)
+        g = torch.Generator().manual_seed(1)
+        (out * torch.randn(out.shape, generator=g).to(on).nan_to_num()).nan_to_num(posinf=0, neginf=0).sum().backward()
+        return [out.detach().nan_to_num(posinf=0, neginf=0)] + [t.grad for t in xs]
+
+    for kv in (1, 2, H):
+        g = torch.Generator().manual_seed(kv)
+        q, k, v = (torch.randn(2, T, n, D, generator=g) for n in (H, kv, kv))
+        q_i, k_i, w = (torch.randn(2, T, *shape, generator=g) for shape in ((H_I, D_I), (D_I,), (H_I,)))
+        idx = sa.index_topk(q_i, k_i, w, topk)
+        idx_dev = sa.index_topk(q_i.to(device), k_i.to(device), w.to(device), topk).cpu()
+        scores = sa.index_scores(q_i, k_i, w)
+        picked = lambda i: scores.gather(-1, i.clamp(min=0)).masked_fill(i < 0, 0).sort(-1).values  # noqa: E731
+        compare(f"index_topk, {kv} KV heads", [picked(idx)], [picked(idx_dev)])
+        ops = {"sparse path": sa.sparse_attention, "masked path": sa.masked_attention,
+               "selected_attention": lambda *a: sa.selected_attention(*a)[0]}
+        for name, op in ops.items():
+            compare(f"{name}, {kv} KV heads", run_op(lambda a, b, c: op(a, b, c, idx.to(a.device)), (q, k, v), "cpu"),
+                    run_op(lambda a, b, c: op(a, b, c, idx.to(a.device)), (q, k, v), device))
+        scores_at = lambda a, b, c: sa.index_scores_at(a, b, c, idx.to(a.device))  # noqa: E731
+        compare(f"index_scores_at, {kv} KV heads", run_op(scores_at, (q_i, k_i, w), "cpu"),
+                run_op(scores_at, (q_i, k_i, w), device))
+    return messages
