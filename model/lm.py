@@ -63,9 +63,7 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: dict | None, aux: AuxCollector,
                 segments: DocumentSegments | None = None) -> torch.Tensor:
-        # dsa's forward takes no segments yet (DecoderLM refuses document masking for it)
-        mixer_args = (cache, aux) if segments is None else (cache, aux, segments)
-        x = x + self.mixer(self.mixer_norm(x), *mixer_args)
+        x = x + self.mixer(self.mixer_norm(x), cache, aux, segments)
         return x + self.ffn(self.ffn_norm(x), aux)
 
 
@@ -143,9 +141,6 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         T = input_ids.shape[1]
         segments = None
         if position_ids is not None and past_key_values is None and not use_cache:
-            if "dsa" in self.config.layer_mixers:
-                raise ValueError("document masking (position_ids) is not yet supported for dsa; "
-                                 "valid mixers: softmax, gdn, derived_gdn, mamba2, linear")
             segments = DocumentSegments(position_ids)
         if past_key_values is None and use_cache:
             past_key_values = DecodeCache(self.config.num_hidden_layers)

@@ -113,7 +113,7 @@ def test_cu_seqlens_bad_input_is_one_line():
 POSITIONS = torch.tensor([[3, 4, 5, 6, 0, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3],
                           [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6]])
 MIXER_OPTIONS = {"gdn": {"chunk_size": 4}, "mamba2": {"chunk_size": 4, "head_dim": 16, "state_size": 8},
-                 "linear": {"chunk_size": 4}}
+                 "linear": {"chunk_size": 4}, "dsa": {"topk": 3, "index_rope_dim": 8, "index_head_dim": 8}}
 
 
 def tiny_lm(attention) -> DecoderLM:
@@ -134,7 +134,7 @@ def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return rows
 
 
-@pytest.mark.parametrize("attention", ["softmax", "gdn", "derived_gdn", "mamba2", "linear",
+@pytest.mark.parametrize("attention", ["softmax", "gdn", "derived_gdn", "mamba2", "linear", "dsa",
                                        ["gdn", "softmax"]], ids=str)
 def test_packed_row_equals_documents_alone(attention):
     model = tiny_lm(attention)
@@ -190,13 +190,6 @@ def test_one_document_and_decoding_are_the_plain_forward():
     out = model.generate(ids, max_new_tokens=4, do_sample=False)
     ref = model.generate(ids, max_new_tokens=4, do_sample=False, use_cache=False)
     assert out.tolist() == ref.tolist()
-
-
-def test_dsa_refuses_document_masking():
-    model = DecoderLM(LMConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
-                               attention="dsa"))
-    with pytest.raises(ValueError, match="not yet supported for dsa"):
-        model(input_ids=torch.zeros(2, 16, dtype=torch.long), position_ids=POSITIONS)
 
 
 def test_sequence_cumsum_keeps_fp32_precision_late_in_a_long_row():

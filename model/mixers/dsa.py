@@ -19,7 +19,7 @@ mass (head-averaged) that the selected keys hold. Cached decoding reports nothin
 import torch
 import torch.nn as nn
 
-from model.layers import RotaryEmbedding
+from model.layers import DocumentSegments, RotaryEmbedding
 from model.mixers.softmax import SoftmaxAttention, attend
 from model.ops.sparse_attention import (Selection, dense_attention_probs, index_scores, index_scores_at, index_topk,
                                         selected_attention)
@@ -47,11 +47,14 @@ class LightningIndexer(nn.Module):
         self.w_proj = nn.Linear(hidden_size, heads, bias=False)
         self.rotary = RotaryEmbedding(rope_dim, rope_theta)  # on the first rope_dim channels only
 
-    def forward(self, x: torch.Tensor, offset: int):
+    def forward(self, x: torch.Tensor, offset: int, position_ids: torch.Tensor | None = None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
         k = self.k_norm(self.k_proj(x)).view(B, T, 1, self.head_dim)
-        cos, sin = self.rotary.cos_sin(offset, T, x.device)
+        if position_ids is None:
+            cos, sin = self.rotary.cos_sin(offset, T, x.device)
+        else:  # document masking: positions restart per document
+            cos, sin = self.rotary.cos_sin_at(position_ids)
         q, k = self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin)
         return q * self.head_dim**-0.5, k[:, :, 0], self.w_proj(x) * self.heads**-0.5
 
@@ -75,11 +78,16 @@ class DSAttention(SoftmaxAttention):
         self.indexer = LightningIndexer(config.hidden_size, opts["index_heads"], opts["index_head_dim"],
                                         opts["index_rope_dim"], config.rope_theta)
 
-    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None,
+                segments: DocumentSegments | None = None) -> torch.Tensor:
+        """With segments (document masking), rotary positions restart per document and the indexer,
+        its top-k and the dense paths see only the query's own document."""
         B, T, _ = x.shape
         offset = cache["offset"] if cache is not None else 0
-        q, k, v = self.project(x, offset)  # [B, T, H(kv), D]
-        q_i, k_i, w = self.indexer(x.detach(), offset)
+        positions = None if segments is None else segments.position_ids
+        seg = None if segments is None else segments.segment_ids
+        q, k, v = self.project(x, offset, positions)  # [B, T, H(kv), D]
+        q_i, k_i, w = self.indexer(x.detach(), offset, positions)
         if cache is not None:
             if "k" in cache:
                 k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
@@ -89,26 +97,26 @@ class DSAttention(SoftmaxAttention):
         report = aux is not None and cache is None  # no indexer loss or metrics while decoding
         indices = None
         if sparse or (report and not self.training):
-            indices = index_topk(q_i, k_i, w, self.topk, offset)  # [B, T, K], -1 = empty slot
+            indices = index_topk(q_i, k_i, w, self.topk, offset, seg)  # [B, T, K], -1 = empty slot
         if sparse:
             selection = Selection(indices, k.shape[1])  # shared by the attention and the indexer loss
             o, p = selected_attention(q, k, v, selection, with_probs=report)  # p: the indexer's target
         else:
-            o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+            o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), segments).transpose(1, 2)
         if report:
             if sparse:
                 logits = index_scores_at(q_i, k_i, w, selection)
             else:
-                p, logits = dense_attention_probs(q, k), index_scores(q_i, k_i, w)
+                p, logits = dense_attention_probs(q, k, segment_ids=seg), index_scores(q_i, k_i, w, segment_ids=seg)
             # L_I = mean_t KL(p_t || softmax(I_t)) over the selected keys (all causal keys in warm-up)
             aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits), self.indexer_loss_coef)
             if not self.training:
-                self.report_recall(aux, q, k, indices)
+                self.report_recall(aux, q, k, indices, seg)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def report_recall(self, aux, q, k, indices) -> None:
+    def report_recall(self, aux, q, k, indices, segment_ids=None) -> None:
         """sum over the selected keys of the dense head-averaged attention probability, mean over queries."""
-        p = dense_attention_probs(q, k).gather(-1, indices.clamp(min=0))
+        p = dense_attention_probs(q, k, segment_ids=segment_ids).gather(-1, indices.clamp(min=0))
         aux.add_metric("dsa/topk_attention_recall", (p * (indices >= 0)).sum(-1).mean())
 
     def flops_per_token(self, seq_len: int) -> float:

@@ -130,13 +130,23 @@ def _head_major(x: torch.Tensor, acc) -> torch.Tensor:
 # ---- lightning indexer --------------------------------------------------------------------------
 
 @_own_precision
-def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Dense causal indexer scores [B, T, S] (fp32, -inf on future keys); differentiable, O(T S H_I d_I)
-    memory: the warm-up stage's indexer logits."""
+def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: int = 0,
+                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Dense causal indexer scores [B, T, S] (fp32, -inf on future keys, and on other documents' keys
+    given segment_ids [B, T]); differentiable, O(T S H_I d_I) memory: the warm-up stage's indexer logits."""
     acc = _acc_dtype(q_i)
     dots = torch.einsum("bthd,bsd->bths", q_i.to(acc), k_i.to(acc)).relu()
     scores = torch.einsum("bth,bths->bts", w.to(acc), dots)
-    return scores.masked_fill(~causal_mask(q_i.shape[1], k_i.shape[1], offset, q_i.device), float("-inf"))
+    return scores.masked_fill(~visible(q_i.shape[1], k_i.shape[1], offset, q_i.device, segment_ids), float("-inf"))
+
+
+def visible(T: int, S: int, offset: int, device, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Which keys each query may see: causal [T, S], and with segment_ids [B, T] (document masking,
+    T = S, no offset) also within its own document, [B, T, S]."""
+    mask = causal_mask(T, S, offset, device)
+    if segment_ids is None:
+        return mask
+    return mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
 
 
 def _topk_chunks(S: int, k: int) -> int:
@@ -166,9 +176,11 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 
 @_own_precision
 @torch.no_grad()
-def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, offset: int = 0) -> torch.Tensor:
+def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, offset: int = 0,
+               segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """indices [B, T, min(topk, S)] of the top-k visible keys by I per query, -1 where fewer than topk
-    keys are visible (so a prefix of <= topk keys is selected whole). Ties are broken arbitrarily.
+    keys are visible (so a prefix of <= topk keys is selected whole); with segment_ids [B, T] only the
+    query's own document is visible. Ties are broken arbitrarily.
     Per block of queries: one GEMM for q_i k_i^T over the keys the block can see, relu in place, the
     head-weighted sum as a batched [1, H_I] x [H_I, S] product, the future keys of the block's diagonal
     set to -inf, then `topk_indices`."""
@@ -183,9 +195,14 @@ def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int,
         dots = torch.bmm(q_i[:, t0:t1].to(acc).reshape(B, n * H_I, d), kt[:, :, :S_blk]).relu_()
         scores = torch.matmul(w[:, t0:t1, None].to(acc), dots.view(B, n, H_I, S_blk)).squeeze(2)  # [B, n, S_blk]
         scores[:, :, offset + t0:].masked_fill_(~causal_mask(n, n, 0, q_i.device), float("-inf"))
+        if segment_ids is not None:
+            scores.masked_fill_(segment_ids[:, t0:t1, None] != segment_ids[:, None, :S_blk], float("-inf"))
         idx = topk_indices(scores, min(K, S_blk))
         pos = torch.arange(offset + t0, offset + t1, device=q_i.device)
-        out[:, t0:t1, : idx.shape[-1]] = idx.masked_fill(idx > pos[:, None], -1)
+        hidden = idx > pos[:, None]
+        if segment_ids is not None:
+            hidden |= scores.gather(-1, idx) == float("-inf")
+        out[:, t0:t1, : idx.shape[-1]] = idx.masked_fill(hidden, -1)
     return out
 
 
@@ -382,9 +399,9 @@ def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices, scale: f
 @_own_precision
 @torch.no_grad()
 def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
-                          scale: float | None = None) -> torch.Tensor:
-    """p [B, T, S]: causal softmax attention over all keys, averaged over heads (L1-normalised); the
-    warm-up indexer target and the reference for top-k recall."""
+                          scale: float | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """p [B, T, S]: causal softmax attention over all keys (within each document given segment_ids),
+    averaged over heads (L1-normalised); the warm-up indexer target and the reference for top-k recall."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     acc = _acc_dtype(q)
@@ -393,6 +410,8 @@ def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
     for t0, t1 in _blocks(T, 2 * B * H * S):
         qb = q[:, t0:t1].to(acc).view(B, t1 - t0, Hkv, H // Hkv, D)
         s = torch.einsum("bnhgd,bshd->bnhgs", qb, kf) * _scale(q, scale)
-        mask = causal_mask(t1 - t0, S, offset + t0, q.device)
-        p[:, t0:t1] = s.masked_fill(~mask[None, :, None, None], float("-inf")).softmax(-1).mean((2, 3))
+        mask = causal_mask(t1 - t0, S, offset + t0, q.device).expand(B, -1, -1)
+        if segment_ids is not None:
+            mask = mask & (segment_ids[:, t0:t1, None] == segment_ids[:, None, :])
+        p[:, t0:t1] = s.masked_fill(~mask[:, :, None, None], float("-inf")).softmax(-1).mean((2, 3))
     return p
