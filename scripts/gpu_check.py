@@ -265,6 +265,48 @@ def check_kernels() -> list[str]:
     return out
 
 
+def check_dsa(device: str = "cuda", T: int = 300, topk: int = 32) -> list[str]:
+    """Mismatch messages (empty = all match) between the DSA ops on `device` and on the CPU for the
+    same fp32 inputs: top-k selection (compared by selected score values: ties may pick other keys),
+    both attention paths and the dispatch (outputs and q, k, v gradients), and the indexer scores at
+    the selection (values and gradients); GQA with 1, 2 and 4 KV heads, T not a multiple of any block."""
+    import model.ops.sparse_attention as sa
+
+    H, D, H_I, D_I = 4, 64, 4, 32
+    messages = []
+
+    def compare(name, cpu, dev, tol=1e-4):
+        for i, (a, b) in enumerate(zip(cpu, dev)):
+            if not torch.allclose(a, b.cpu(), atol=tol, rtol=tol):
+                messages.append(f"MISMATCH dsa {name} [{i}]: max |diff| {(a - b.cpu()).abs().max().item():.3g}")
+
+    def run_op(op, inputs, on):
+        xs = [t.detach().to(on).requires_grad_() for t in inputs]
+        out = op(*xs)
+        g = torch.Generator().manual_seed(1)
+        (out * torch.randn(out.shape, generator=g).to(on).nan_to_num()).nan_to_num(posinf=0, neginf=0).sum().backward()
+        return [out.detach().nan_to_num(posinf=0, neginf=0)] + [t.grad for t in xs]
+
+    for kv in (1, 2, H):
+        g = torch.Generator().manual_seed(kv)
+        q, k, v = (torch.randn(2, T, n, D, generator=g) for n in (H, kv, kv))
+        q_i, k_i, w = (torch.randn(2, T, *shape, generator=g) for shape in ((H_I, D_I), (D_I,), (H_I,)))
+        idx = sa.index_topk(q_i, k_i, w, topk)
+        idx_dev = sa.index_topk(q_i.to(device), k_i.to(device), w.to(device), topk).cpu()
+        scores = sa.index_scores(q_i, k_i, w)
+        picked = lambda i: scores.gather(-1, i.clamp(min=0)).masked_fill(i < 0, 0).sort(-1).values  # noqa: E731
+        compare(f"index_topk, {kv} KV heads", [picked(idx)], [picked(idx_dev)])
+        ops = {"sparse path": sa.sparse_attention, "masked path": sa.masked_attention,
+               "selected_attention": lambda *a: sa.selected_attention(*a)[0]}
+        for name, op in ops.items():
+            compare(f"{name}, {kv} KV heads", run_op(lambda a, b, c: op(a, b, c, idx.to(a.device)), (q, k, v), "cpu"),
+                    run_op(lambda a, b, c: op(a, b, c, idx.to(a.device)), (q, k, v), device))
+        scores_at = lambda a, b, c: sa.index_scores_at(a, b, c, idx.to(a.device))  # noqa: E731
+        compare(f"index_scores_at, {kv} KV heads", run_op(scores_at, (q_i, k_i, w), "cpu"),
+                run_op(scores_at, (q_i, k_i, w), device))
+    return messages
+
+
 def small_model(mixer: str, vocab: int):
     from omegaconf import OmegaConf
 
@@ -372,7 +414,8 @@ def main(argv: list[str] | None = None) -> int:
                                               else "no CUDA device"))
     parts = [("cpu", check_cpu)]
     if cuda:
-        parts += [("peak", check_peak), ("kernels", check_kernels), ("model", lambda: check_model(MIXERS))]
+        parts += [("peak", check_peak), ("kernels", check_kernels), ("dsa", check_dsa),
+                  ("model", lambda: check_model(MIXERS))]
         if args.train_steps:
             parts.append(("train", lambda: check_train(args.train_mixers, args.train_steps, args.train_timeout)))
     mismatches = []
