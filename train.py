@@ -139,7 +139,7 @@ def train(cfg: DictConfig) -> float:
     flops_per_token = 3 * model.flops_per_token(tc.seq_len)  # forward + backward
     peak = device_peak_flops(accelerator.device, bf16=accelerator.mixed_precision == "bf16")
 
-    optimizer = build_optimizer(model, tc)
+    optimizer = build_optimizer(model, cfg.optimizer, tc.lr, accelerator.distributed_type)
     scheduler = build_scheduler(optimizer, tc)
     if use_cuda and tc.compile:
         model = torch.compile(model)

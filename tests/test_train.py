@@ -46,25 +46,33 @@ def test_train_eval_export_and_evaluate(tmp_path, data_cache):
     assert (out / "per_position_loss.png").exists() and report["decode_tokens_per_sec"] > 0
 
 
-def test_resume_equals_uninterrupted(tmp_path, data_cache):
+@pytest.mark.parametrize("optimizer", [["optimizer=adamw"], ["optimizer=muon", "ffn=moe"]], ids=["adamw", "muon-moe"])
+def test_resume_equals_uninterrupted(tmp_path, data_cache, optimizer):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_train(full, "trainer.keep_checkpoints=5", cache=data_cache)
+    run_train(full, "trainer.keep_checkpoints=5", *optimizer, cache=data_cache)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_0000004", resumed / "checkpoints" / "step_0000004")
-    proc = run_train(resumed, "resume=auto", cache=data_cache)
+    proc = run_train(resumed, "resume=auto", *optimizer, cache=data_cache)
     assert "resumed from" in proc.stdout
+    if optimizer[0] == "optimizer=muon":  # the checkpoint holds Muon's momentum, per expert stack too
+        saved = torch.load(resumed / "checkpoints" / "step_0000004" / "optimizer.bin", weights_only=True)
+        muon_state, adamw_state = (part["state"].values() for part in saved["parts"])
+        assert {s["momentum_buffer"].ndim for s in muon_state} == {2, 3}
+        assert all("exp_avg_sq" in s for s in adamw_state)
     a, b = losses(full), losses(resumed)
+    assert a[8] < a[1], a  # it learns: the schedule reaches every part of the optimizer
     assert sorted(b) == [5, 6, 7, 8]
     for step in b:
         assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
 
 
-def test_ddp_two_processes_equals_grad_accum(tmp_path, data_cache):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_ddp_two_processes_equals_grad_accum(tmp_path, data_cache, optimizer):
     one, two = tmp_path / "one", tmp_path / "two"
-    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", cache=data_cache)
+    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", f"optimizer={optimizer}", cache=data_cache)
     launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
                 str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
-    run_train(two, "trainer.max_steps=4", launcher=launcher, cache=data_cache)
+    run_train(two, "trainer.max_steps=4", f"optimizer={optimizer}", launcher=launcher, cache=data_cache)
     a, b = losses(one), losses(two)
     assert sorted(a) == sorted(b) == [1, 2, 3, 4]
     for step in a:
@@ -86,6 +94,7 @@ def test_non_finite_loss_stops_with_message(tmp_path, data_cache):
     ("ffn=dense,nope", "unknown ffn 'nope'; valid: ", "dense"),
     ("data=nope", "unknown data 'nope'; valid: ", "stdlib"),
     ("model=nope", "unknown model 'nope'; valid: ", "tiny"),
+    ("optimizer=nope", "unknown optimizer 'nope'; valid: ", "adamw, muon"),
 ])
 def test_unknown_group_choice_is_one_line(tmp_path, arg, needle, valid):
     import subprocess
