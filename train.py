@@ -282,7 +282,8 @@ def train(cfg: DictConfig) -> float:
         lines += [f"{k} {v:.4f}" for k, v in final_metrics.items() if not k.startswith(("val/loss", "val/ppl", "val/bpb"))
                   and isinstance(v, float)]
         if data.tokenizer is not None and tc.sample_tokens:
-            s = sample(unwrapped, data.tokenizer, tc.sample_prompt, tc.sample_tokens, cfg.seed, accelerator.device)
+            s = sample(unwrapped, data.tokenizer, tc.sample_prompt, tc.sample_tokens, cfg.seed, accelerator.device,
+                       temperature=tc.sample_temperature, top_p=tc.sample_top_p, repetition_penalty=tc.sample_repetition_penalty)
             lines.append(f"sample ({s['decode_tokens_per_sec']:.0f} tok/s decode):\n{s['text']}")
         lines.append(f"saved {run_dir / 'final'} | wall time {time.time() - t_start:.0f}s")
         print("\n" + "\n".join(lines))
