@@ -1,6 +1,6 @@
 """Optimizers: which parameters Muon and AdamW get (a model with every mixer and MoE), stacked expert
-weights stepped as torch's Muon steps each expert's matrix, one scheduler driving both parts across a
-state_dict round trip, FSDP refused; optimizer=adamw is today's single AdamW."""
+weights stepped as separate matrices, the float32 CPU step against torch's Muon step, one scheduler
+driving both parts across a state_dict round trip, FSDP refused; optimizer=adamw is a single AdamW."""
 import pytest
 import torch
 from accelerate.utils import DistributedType
@@ -8,9 +8,18 @@ from omegaconf import OmegaConf
 
 from model import DecoderLM, LMConfig
 from training.config import CONFIG_DIR
-from training.optim import CombinedOptimizer, Muon, build_optimizer, build_scheduler, muon_split
+from training.optim import CombinedOptimizer, Muon, build_optimizer, build_scheduler, muon_split, orthogonalize
 
 MIXERS = ["softmax", "gdn", "derived_gdn", "mamba2", "linear", "dsa"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes: a second thread only adds synchronisation, very slow when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def every_block_model(**kw) -> DecoderLM:
@@ -74,27 +83,54 @@ def test_adamw_is_one_torch_adamw_as_before():
     assert all(p.ndim >= 2 for p in decay["params"]) and model.embed_tokens.weight in no_decay["params"]
 
 
-def test_stacked_experts_step_as_separate_matrices():
-    """Muon on a [E, m, n] stack equals torch's Muon on E separate [m, n] parameters (same grads),
-    shape-dependent lr included (m != n)."""
+@pytest.mark.parametrize("step", [torch.optim.Muon.step, Muon.step], ids=["torch-step", "cpu-float32-step"])
+def test_stacked_experts_step_as_separate_matrices(step):
+    """Muon on a [E, m, n] stack equals Muon on E separate [m, n] parameters (same grads), through
+    torch's step (bf16 Newton-Schulz, what CUDA runs) and our float32 CPU step alike; shape-dependent
+    lr included (m != n)."""
     torch.manual_seed(0)
     stack = torch.nn.Parameter(torch.randn(3, 8, 20))
     singles = [torch.nn.Parameter(w.detach().clone()) for w in stack]
     matrix = torch.nn.Parameter(torch.randn(6, 5))
     ours = Muon([matrix], [stack], lr=0.02, adjust_lr_fn="match_rms_adamw")
-    ref = torch.optim.Muon(singles, lr=0.02, adjust_lr_fn="match_rms_adamw")
+    ref = Muon(singles, [], lr=0.02, adjust_lr_fn="match_rms_adamw")
     start = stack.detach().clone()
     for _ in range(3):  # the momentum buffer carries over
         grad = torch.randn(3, 8, 20)
         stack.grad, matrix.grad = grad.clone(), torch.randn(6, 5)
         for w, g in zip(singles, grad):
             w.grad = g.clone()
-        ours.step()
-        ref.step()
+        step(ours)
+        step(ref)
     assert not torch.equal(stack, start)
     for w, single in zip(stack, singles):
         torch.testing.assert_close(w, single, rtol=0, atol=0)
     assert ours.state[stack]["momentum_buffer"].shape == (3, 8, 20)
+
+
+def test_cpu_step_is_torch_muon_up_to_bf16():
+    """Our CPU step (float32 Newton-Schulz) against torch.optim.Muon's (bf16), weight decay and the
+    match_rms_adamw lr included; and against a float64 run of the same iteration."""
+    torch.manual_seed(0)
+    shapes = [(16, 48), (48, 16), (32, 32)]
+    ours = [torch.nn.Parameter(torch.randn(*s)) for s in shapes]
+    theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
+    start = [p.detach().clone() for p in ours]
+    options = dict(lr=0.05, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    opt_ours, opt_theirs = Muon(ours, [], **options), torch.optim.Muon(theirs, **options)
+    for _ in range(2):
+        for a, b in zip(ours, theirs):
+            a.grad = torch.randn_like(a)
+            b.grad = a.grad.clone()
+        opt_ours.step()
+        opt_theirs.step()
+    for a, b, s in zip(ours, theirs, start):
+        ours_delta, theirs_delta = a - s, b - s
+        assert (ours_delta - theirs_delta).norm() < 0.02 * theirs_delta.norm()
+    g = torch.randn(24, 40, dtype=torch.float64)
+    coefficients = opt_ours.param_groups[0]["ns_coefficients"]
+    torch.testing.assert_close(orthogonalize(g.float(), coefficients, 5, 1e-7).double(),
+                               orthogonalize(g, coefficients, 5, 1e-7), rtol=1e-4, atol=1e-5)
 
 
 def test_one_scheduler_drives_both_parts_after_a_state_dict_round_trip():

@@ -13,6 +13,15 @@ from training.evaluation import sample
 WORDS = ["<eos>"] + [f"w{i}" for i in range(63)]
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny shapes: a second thread only adds synchronisation, very slow when the cores are shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def lm_and_tokenizer():
     tok = Tokenizer(WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<eos>"))

@@ -3,6 +3,7 @@ rest; and the LR schedules (from transformers)."""
 import torch
 import torch.nn as nn
 from accelerate.utils import DistributedType
+from torch.optim._muon import _adjust_lr
 from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
 
 OPTIMIZERS = ("adamw", "muon")
@@ -44,12 +45,29 @@ def muon_split(model: nn.Module) -> tuple[list, list, list]:
     return matrices, stacked, rest
 
 
+def orthogonalize(m: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> torch.Tensor:
+    """Newton-Schulz in float32 (at least): X <- a X + (b A + c A^2) X, A = X X^T, from X = M / ||M||_F,
+    on the wide orientation (Keller Jordan's quintic; torch's Muon runs the same iteration in bf16)."""
+    x = m.to(torch.promote_types(m.dtype, torch.float32))
+    tall = x.shape[0] > x.shape[1]
+    x = x.T if tall else x
+    x = x / x.norm().clamp(min=eps)
+    a, b, c = coefficients
+    for _ in range(steps):
+        A = x @ x.T
+        x = a * x + (b * A + c * A @ A) @ x
+    return x.T if tall else x
+
+
 class Muon(torch.optim.Muon):
     """torch.optim.Muon that also takes stacked expert weights [E, m, n] and treats each expert's
     [m, n] slice as its own matrix (own orthogonalisation, own shape-dependent lr). torch's Muon
     accepts only 2-D parameters at construction, so the stacked ones join as a second param group
     after that check; _init_group, where torch's step collects (param, grad, momentum buffer), then
-    hands the step one view per expert of each, and the in-place updates land in the stacked tensors."""
+    hands the step one view per expert of each, and the in-place updates land in the stacked tensors.
+
+    On CUDA the step is torch's (Newton-Schulz in bf16). On CPU, where bf16 matmuls without native
+    support are many times slower than float32, it is the same update with Newton-Schulz in float32."""
 
     def __init__(self, matrices: list, stacked: list, **options):
         super().__init__([{"params": matrices}], **options)
@@ -62,6 +80,26 @@ class Muon(torch.optim.Muon):
         for items in (params_with_grad, grads, muon_momentum_bufs):  # aligned: same ndim at each index
             items[start:] = [m for t in items[start:] for m in (t.unbind(0) if t.ndim == 3 else (t,))]
         return has_complex
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if any(p.is_cuda for g in self.param_groups for p in g["params"]):
+            return super().step(closure)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, bufs = [], [], []
+            self._init_group(group, params, grads, bufs)
+            lr, mu = group["lr"], group["momentum"]
+            for p, g, buf in zip(params, grads, bufs):
+                buf.lerp_(g, 1 - mu)
+                update = g.lerp(buf, mu) if group["nesterov"] else buf
+                update = orthogonalize(update, group["ns_coefficients"], group["ns_steps"], group["eps"])
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+        return loss
 
 
 class CombinedOptimizer(torch.optim.Optimizer):
