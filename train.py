@@ -50,13 +50,15 @@ def main(cfg: DictConfig) -> float:
 @dataclass
 class Run:
     """What the loop needs: the config, Accelerate, data, the model (`lm` is the DecoderLM itself,
-    `model` what Accelerate prepared around it), optimizers, and where the run stands."""
+    `model` what Accelerate prepared around it), the optimizer (as prepared; `optimizers` are the
+    torch optimizers inside it, whose state is checkpointed), and where the run stands."""
     cfg: DictConfig
     accelerator: object
     run_dir: Path
     data: object
     lm: object
     model: object
+    optimizer: object
     optimizers: list
     scheduler: object
     micro: int             # sequences per process per micro-step
@@ -125,7 +127,7 @@ def setup(cfg: DictConfig) -> Run:
         cpu=not use_cuda, mixed_precision="bf16" if (use_cuda and tc.bf16) else "no",
         log_with="wandb" if cfg.logger.name == "wandb" else None,
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
-    optimizer = build_optimizer(lm, tc)
+    optimizer = build_optimizer(lm, cfg.optimizer, tc.lr, accelerator.distributed_type)
     scheduler = build_scheduler(optimizer, tc)
     model = torch.compile(lm) if (use_cuda and tc.compile) else lm
     model, optimizer = accelerator.prepare(model, optimizer)
@@ -144,7 +146,8 @@ def setup(cfg: DictConfig) -> Run:
             "data": cfg.data.name, "data_info": data.info, "group": cfg.logger.get("group")}, indent=1))
 
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
-              optimizers=[optimizer.optimizer], scheduler=scheduler, micro=micro,
+              optimizer=optimizer, optimizers=getattr(optimizer.optimizer, "parts", [optimizer.optimizer]),
+              scheduler=scheduler, micro=micro,
               flops_per_token=3 * lm.flops_per_token(tc.seq_len),
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
               step=0, t_origin=t_start, last_ckpt=None)
@@ -227,11 +230,9 @@ def train_step(run: Run) -> tuple[float, dict, float]:
         for k, v in out.aux_metrics.items():
             aux[k] = aux.get(k, 0) + v / tc.grad_accum
     grad_norm = a.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
-    for optimizer in run.optimizers:
-        optimizer.step()
+    run.optimizer.step()
     run.scheduler.step()
-    for optimizer in run.optimizers:
-        optimizer.zero_grad(set_to_none=True)
+    run.optimizer.zero_grad(set_to_none=True)
     for module in run.lm.modules():
         if hasattr(module, "after_optimizer_step"):
             module.after_optimizer_step()
@@ -349,7 +350,9 @@ def finish(run: Run, last_log: dict) -> float:
             # From the export, not the training model: under FSDP that one is sharded across ranks,
             # and sampling the export checks it loads.
             exported = load_lm(folder).to(a.device)
-            s = sample(exported, run.data.tokenizer, tc.sample_prompt, tc.sample_tokens, cfg.seed, a.device)
+            s = sample(exported, run.data.tokenizer, tc.sample_prompt, tc.sample_tokens, cfg.seed, a.device,
+                       temperature=tc.sample_temperature, top_p=tc.sample_top_p,
+                       repetition_penalty=tc.sample_repetition_penalty)
             lines.append(f"sample ({s['decode_tokens_per_sec']:.0f} tok/s decode):\n{s['text']}")
         lines.append(f"saved {folder} | wall time {time.time() - run.t_origin:.0f}s")
         print("\n" + "\n".join(lines))

@@ -56,8 +56,9 @@ def evaluate(cfg: DictConfig) -> dict:
     if data.extra_eval is not None:
         report.update(data.extra_eval(lm, device))
     if data.tokenizer is not None and cfg.sample_tokens:
-        samples = [sample(lm, data.tokenizer, cfg.prompt, cfg.sample_tokens, cfg.seed + i, device)
-                   for i in range(cfg.num_samples)]
+        samples = [sample(lm, data.tokenizer, cfg.prompt, cfg.sample_tokens, cfg.seed + i, device,
+                          temperature=cfg.sample_temperature, top_p=cfg.sample_top_p,
+                          repetition_penalty=cfg.sample_repetition_penalty) for i in range(cfg.num_samples)]
         report["samples"] = [s["text"] for s in samples]
         report["decode_tokens_per_sec"] = sum(s["decode_tokens_per_sec"] for s in samples) / len(samples)
 

@@ -14,12 +14,12 @@ def compose_train(*overrides):
         return compose(config_name="train", overrides=list(overrides))
 
 
-@pytest.mark.parametrize("group", ["model", "attention", "ffn", "data", "logger", "experiment"])
+@pytest.mark.parametrize("group", ["model", "attention", "ffn", "optimizer", "data", "logger", "experiment"])
 def test_every_choice_composes(group):
     for choice in group_choices(group):
         cfg = compose_train(f"{group}={choice}")
         assert cfg.trainer.max_steps > 0
-        if group in ("attention", "ffn"):
+        if group in ("attention", "ffn", "optimizer"):
             assert cfg[group].name == choice
 
 

@@ -34,10 +34,12 @@ def assert_same_losses(a: dict, b: dict, steps: list[int]):
         assert b[step] == pytest.approx(a[step], abs=1e-5), (step, a, b)
 
 
-def test_ddp_two_processes_equals_grad_accum_with_unused_search_off(tmp_path, data_cache):
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_ddp_two_processes_equals_grad_accum_with_unused_search_off(tmp_path, data_cache, optimizer):
+    """Muon too: every rank orthogonalises the same all-reduced gradient."""
     one, two = tmp_path / "one", tmp_path / "two"
-    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", cache=data_cache)
-    run_train(two, "trainer.max_steps=4", launcher=DDP, cache=data_cache)
+    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", f"optimizer={optimizer}", cache=data_cache)
+    run_train(two, "trainer.max_steps=4", f"optimizer={optimizer}", launcher=DDP, cache=data_cache)
     assert run_info(one)["processes"] == 1 and run_info(two)["processes"] == 2
     # A dense model: every parameter gets a gradient, so DDP runs without the unused-parameter search.
     assert run_info(two)["ddp_find_unused_parameters"] is False

@@ -58,19 +58,27 @@ def test_train_eval_export_and_evaluate(tmp_path, data_cache):
     assert lm.config.vocab_size == len(tokenizer)
 
 
-def test_resume_equals_uninterrupted(tmp_path, data_cache):
+@pytest.mark.parametrize("optimizer", [["optimizer=adamw"], ["optimizer=muon", "ffn=moe"]], ids=["adamw", "muon-moe"])
+def test_resume_equals_uninterrupted(tmp_path, data_cache, optimizer):
     full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_train(full, "trainer.keep_checkpoints=5", cache=data_cache)
+    run_train(full, "trainer.keep_checkpoints=5", *optimizer, cache=data_cache)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(full / "checkpoints" / "step_0000004", resumed / "checkpoints" / "step_0000004")
-    proc = run_train(resumed, "resume=auto", cache=data_cache)
+    proc = run_train(resumed, "resume=auto", *optimizer, cache=data_cache)
     assert "resumed from" in proc.stdout
+    if optimizer[0] == "optimizer=muon":  # the checkpoint holds Muon's momentum, per expert stack too
+        from torch.distributed.checkpoint import FileSystemReader
+        saved = FileSystemReader(resumed / "checkpoints" / "step_0000004" / "state").read_metadata().state_dict_metadata
+        assert {len(m.size) for k, m in saved.items() if k.endswith("momentum_buffer")} == {2, 3}
+        assert any(k.endswith("embed_tokens.weight.exp_avg_sq") for k in saved)
     a, b = losses(full), losses(resumed)
+    assert a[8] < a[1], a  # it learns: the schedule reaches every part of the optimizer
     assert sorted(b) == [5, 6, 7, 8]
     for step in b:
         assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
 
 
+<<<<<<< HEAD
 def test_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path, data_cache):
     full, run = tmp_path / "full", tmp_path / "run"
     run_train(full, "trainer.ckpt_every=2", "trainer.keep_checkpoints=5", cache=data_cache)
@@ -122,6 +130,20 @@ def test_streamed_hub_dataset_trains(tmp_path, data_cache):
     info = json.loads((run / "run_info.json").read_text())["data_info"]
     assert 20000 <= info["train_tokens"] + 64 and info["train_tokens"] < 21000 and info["val_documents"] > 0
     assert info["document_mask"] is True and len(losses(run)) == 4
+=======
+@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
+def test_ddp_two_processes_equals_grad_accum(tmp_path, data_cache, optimizer):
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", f"optimizer={optimizer}", cache=data_cache)
+    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
+    run_train(two, "trainer.max_steps=4", f"optimizer={optimizer}", launcher=launcher, cache=data_cache)
+    a, b = losses(one), losses(two)
+    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], abs=1e-5), (a, b)
+    assert (two / "final" / "model.safetensors").exists()
+>>>>>>> issue14-muon
 
 
 def test_non_finite_loss_stops_with_message(tmp_path, data_cache):
@@ -138,6 +160,7 @@ def test_non_finite_loss_stops_with_message(tmp_path, data_cache):
     ("ffn=dense,nope", "unknown ffn 'nope'; valid: ", "dense"),
     ("data=nope", "unknown data 'nope'; valid: ", "stdlib"),
     ("model=nope", "unknown model 'nope'; valid: ", "tiny"),
+    ("optimizer=nope", "unknown optimizer 'nope'; valid: ", "adamw, muon"),
 ])
 def test_unknown_group_choice_is_one_line(tmp_path, arg, needle, valid):
     import subprocess

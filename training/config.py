@@ -8,7 +8,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-GROUPS = ("model", "attention", "ffn", "data", "logger", "experiment")
+GROUPS = ("model", "attention", "ffn", "optimizer", "data", "logger", "experiment")
 
 
 def group_choices(group: str) -> list[str]:
