@@ -78,7 +78,6 @@ def test_resume_equals_uninterrupted(tmp_path, data_cache, optimizer):
         assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
 
 
-<<<<<<< HEAD
 def test_corrupt_checkpoint_falls_back_to_the_previous_good_one(tmp_path, data_cache):
     full, run = tmp_path / "full", tmp_path / "run"
     run_train(full, "trainer.ckpt_every=2", "trainer.keep_checkpoints=5", cache=data_cache)
@@ -130,20 +129,6 @@ def test_streamed_hub_dataset_trains(tmp_path, data_cache):
     info = json.loads((run / "run_info.json").read_text())["data_info"]
     assert 20000 <= info["train_tokens"] + 64 and info["train_tokens"] < 21000 and info["val_documents"] > 0
     assert info["document_mask"] is True and len(losses(run)) == 4
-=======
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_ddp_two_processes_equals_grad_accum(tmp_path, data_cache, optimizer):
-    one, two = tmp_path / "one", tmp_path / "two"
-    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", f"optimizer={optimizer}", cache=data_cache)
-    launcher = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
-    run_train(two, "trainer.max_steps=4", f"optimizer={optimizer}", launcher=launcher, cache=data_cache)
-    a, b = losses(one), losses(two)
-    assert sorted(a) == sorted(b) == [1, 2, 3, 4]
-    for step in a:
-        assert b[step] == pytest.approx(a[step], abs=1e-5), (a, b)
-    assert (two / "final" / "model.safetensors").exists()
->>>>>>> issue14-muon
 
 
 def test_non_finite_loss_stops_with_message(tmp_path, data_cache):
