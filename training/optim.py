@@ -19,7 +19,8 @@ def param_groups(named_params, weight_decay: float) -> list[dict]:
     for name, p in named_params:
         skip = p.ndim < 2 or "embed_tokens" in name or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES
         (no_decay if skip else decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]  # no empty group: DCP's optimizer state dict refuses them
 
 
 def muon_split(model: nn.Module) -> tuple[list, list, list]:
