@@ -228,6 +228,15 @@ def test_sweep_expands_lr_and_seed_axes():
     assert (cfg.trainer.lr, cfg.seed) == (3e-3, 1)
 
 
+def test_experiment_declares_its_lr_axis():
+    """experiment=mqar sweeps trainer.lr unless it is given; mqar_quick replaces the grid."""
+    given = ["experiment=mqar", "attention=gdn,mamba2"]
+    assert sweep.with_config_axes(given) == given + ["trainer.lr=1e-3,3e-3,1e-2,3e-2"]
+    assert sweep.with_config_axes(["experiment=mqar", "trainer.lr=1e-2"]) == ["experiment=mqar", "trainer.lr=1e-2"]
+    assert sweep.with_config_axes(["experiment=mqar_quick"])[-1] == "trainer.lr=3e-3,1e-2"
+    assert sweep.with_config_axes(["experiment=compare"]) == ["experiment=compare"]
+
+
 def test_compare_best_over_lr_with_seeds(tmp_path):
     """--best-over trainer.lr: gdn is best at 3e-3 (MQAR accuracy, higher), softmax at 1e-3 (val loss,
     lower, no MQAR); the table gives the best lr's mean and min-max over the seeds and every lr's mean,

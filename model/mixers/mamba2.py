@@ -18,7 +18,7 @@ nn.Linear default, U(+-1/sqrt(d_model)); the conv kernel and bias PyTorch's nn.C
 U(+-1/sqrt(conv_size)); softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4; A = -exp(A_log),
 -A ~ U(1, 16); D = 1; the norm's weight 1; out_proj U(+-1/sqrt(d_inner)) * 1/sqrt(2 L)
 (rescale_prenorm_residual with an MLP per layer, model/layers.py residual_scale). Not the generic
-N(0, 0.02): with it the SSM path C h starts several times smaller against the D x skip (tests/test_init.py).
+N(0, 0.02): with it the SSM path C h starts weaker against the D x skip (tests/test_init.py).
 transformers' Mamba2 differs from mamba_ssm (in_proj N(0, 0.1), A = 1..H, no residual rescale).
 """
 import torch
