@@ -1,10 +1,12 @@
 """Pieces shared by several blocks: norms, rotary embedding, the causal short convolution,
-the dt initialiser used by the gated linear mixers, the aux-loss channel and the document segments
-of a packed batch.
+the initialisers the blocks share, the aux-loss channel and the document segments of a packed
+batch.
 
-Modules with parameters that need a non-standard init define `init_parameters()`, which
-`DecoderLM._init_weights` calls; it must use `transformers.initialization` (so that weights loaded by
-`from_pretrained` are never overwritten).
+Init: each block (mixer, FFN, norm) defines `init_parameters()`, which initialises its own parameters
+and those of its submodules that define no `init_parameters()` of their own, as the block's reference
+does. `DecoderLM._init_weights` calls it and itself initialises only the embeddings and an untied
+lm_head. It must use `transformers.initialization` (which skips tensors that `from_pretrained`
+loaded, flagged `_is_hf_initialized`), never in-place arithmetic on a parameter.
 """
 import math
 from functools import cached_property
@@ -205,6 +207,20 @@ class ShortConv(nn.Module):
             leak = x[b, t - lag] * self.conv.weight[:, 0, :].T[W - 1 - lag]
             y = y.index_put((b, t), -leak, accumulate=True)
         return F.silu(y) if self.activation else y
+
+
+def residual_scale(config) -> float:
+    """1 / sqrt(2 L): the init scale of every projection that writes into the residual stream (two per
+    layer), so that the stream's variance at init does not grow with depth (GPT-2, Megatron; mamba_ssm's
+    rescale_prenorm_residual, fla's prenorm_residual_strategy="rescale")."""
+    return 1 / math.sqrt(2 * config.num_hidden_layers)
+
+
+def init_fan_in_uniform_(tensor: torch.Tensor, fan_in: int, scale: float = 1.0) -> None:
+    """U(-b, b), b = scale / sqrt(fan_in): PyTorch's default for nn.Linear / nn.Conv1d weights
+    (kaiming_uniform_ with a = sqrt(5)) and biases, times scale."""
+    bound = scale / math.sqrt(fan_in)
+    init.uniform_(tensor, -bound, bound)
 
 
 def init_dt_bias_(dt_bias: torch.Tensor, dt_min: float = 1e-3, dt_max: float = 1e-1,

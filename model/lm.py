@@ -3,7 +3,6 @@
 A transformers PreTrainedModel, so save_pretrained / from_pretrained / generate / lm-eval work.
 Each layer's mixer and FFN come from the registries by the names in LMConfig.attention / .ffn.
 """
-import math
 from dataclasses import dataclass
 
 import torch
@@ -100,21 +99,20 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def _init_weights(self, module: nn.Module) -> None:
-        """N(0, initializer_range) for linears and embeddings, LayerNorm to identity; residual-output projections scaled by
-        1/sqrt(2 L) (GPT-2); modules with special parameters init themselves (`init_parameters`)."""
-        std = self.config.initializer_range
-        if isinstance(module, nn.Linear):
-            scale = 1 / math.sqrt(2 * self.config.num_hidden_layers) if getattr(module, "is_residual_out", False) else 1.0
-            init.normal_(module.weight, mean=0.0, std=std * scale)
-            if module.bias is not None:
-                init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.LayerNorm):
-            init.ones_(module.weight)
-            init.zeros_(module.bias)
-        elif hasattr(module, "init_parameters"):
+        """Blocks init themselves: a module that defines `init_parameters()` (every mixer, FFN and norm)
+        initialises its own parameters as its reference does (model/layers.py). What no block owns is
+        initialised here: the embeddings and an untied lm_head, N(0, initializer_range) (GPT-2 / Llama).
+        transformers applies this to every module, submodules first, and skips loaded weights."""
+        if hasattr(module, "init_parameters"):
             module.init_parameters()
+        elif isinstance(module, nn.Embedding) or module is self.lm_head:
+            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
+
+    def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:
+        # As transformers' own models: our _init_weights writes only through transformers.initialization,
+        # which skips loaded tensors. Its custom-code shortcut (a module counts as initialised when all its
+        # direct parameters are) would skip every block that holds its parameters in submodules.
+        super()._initialize_weights(module, is_custom_code=False)
 
     # forward ---------------------------------------------------------------------------------
     def forward(

@@ -1,6 +1,7 @@
 """Compare training runs: a markdown + CSV table and PNG plots.
 
     python scripts/compare.py RUN_OR_FOLDER [...] [--wandb ENTITY/PROJECT[/GROUP]] [--out reports/x]
+        [--best-over trainer.lr]
 
 Inputs (any mix, from any number of sweeps):
 - a local run dir (metrics.jsonl + config.yaml, run_info.json, final/), or a folder searched for them
@@ -22,6 +23,13 @@ Writes to --out (default reports/<date>_<time>): compare.md, compare.csv and
   (+ conv)) and against d_model, one line per mixer, as in zoology.
 Parameter counts come from run_info.json or the W&B config; else the model is rebuilt from the
 config (on the meta device) and counted.
+
+--best-over KEY (a dotted config key, e.g. trainer.lr): runs whose configs differ only in KEY and seed
+are one architecture. Per architecture and KEY value the score (MQAR accuracy if every run of the
+architecture has one, else val loss) is averaged over seeds; the table "best KEY per architecture"
+gives the best value's mean, min-max over seeds and every value's mean, and best_<KEY>/<arch>.png
+plots the score against KEY (every seed a dot, the mean a line; log x), as muP / zoology do. The
+MQAR plots then show each architecture at its best KEY.
 """
 import argparse
 import csv
@@ -209,8 +217,20 @@ def build_model(config: dict, meta: bool):
         return DecoderLM(lm_config(cfg, cfg.data.vocab_size, None))
 
 
+STATE_SIZES: dict[str, int] = {}  # architecture (JSON) -> state_size
+
+
 def state_size(config: dict) -> int:
-    """Numbers in the decode cache of one sequence after trainer.seq_len tokens, summed over layers."""
+    """Numbers in the decode cache of one sequence after trainer.seq_len tokens, summed over layers
+    (computed once per architecture: runs of an lr or seed sweep share it)."""
+    shape = json.dumps({**{k: config.get(k) for k in ("model", "attention", "ffn")}, "seq_len": config["trainer"]["seq_len"],
+                        "vocab": cfg_get(config, "data.vocab_size")}, sort_keys=True, default=str)
+    if shape not in STATE_SIZES:
+        STATE_SIZES[shape] = cache_numbers(config)
+    return STATE_SIZES[shape]
+
+
+def cache_numbers(config: dict) -> int:
     import torch
 
     from model.lm import DecodeCache
@@ -291,7 +311,8 @@ def markdown_table(summaries: list[dict], columns: list[str]) -> str:
     return "\n".join(lines)
 
 
-def plot_all(runs: list[Run], summaries: list[dict], out: Path) -> list[Path]:
+def plot_all(runs: list[Run], summaries: list[dict], out: Path, mqar_points: list[dict] | None = None) -> list[Path]:
+    """mqar_points: the summaries the MQAR plots show (default: every run's)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,7 +367,7 @@ def plot_all(runs: list[Run], summaries: list[dict], out: Path) -> list[Path]:
         axes[-1, 0].set_xlabel("expert")
         save(fig, "moe_load.png")
 
-    mqar = [s for s in summaries if s["mqar_acc"] is not None]
+    mqar = [s for s in (summaries if mqar_points is None else mqar_points) if s["mqar_acc"] is not None]
     if mqar:
         for xkey, name, xlabel in (("state_size", "mqar_state.png", "recurrent state size (numbers per sequence)"),
                                    ("d_model", "mqar_width.png", "d_model")):
@@ -364,7 +385,95 @@ def plot_all(runs: list[Run], summaries: list[dict], out: Path) -> list[Path]:
     return written
 
 
-def compare(paths: list[Path], out: Path, wandb_path: str | None = None) -> dict:
+# ---- best over a swept key ---------------------------------------------------------------------------
+RUN_KEYS = ("seed", "run_dir", "resume", "init_from", "logger", "name")  # differ between runs of one architecture
+
+
+@dataclass
+class Architecture:
+    label: str
+    score: str  # "mqar_acc" (higher is better) or "val_loss" (lower is better)
+    points: dict = field(default_factory=dict)  # KEY value -> [score of each seed]
+    summary: dict = field(default_factory=dict)  # the first run's summary (attention, d_model, state_size, ...)
+
+    def means(self) -> dict:
+        return {v: statistics.mean(scores) for v, scores in sorted(self.points.items())}
+
+    def best(self):
+        means = self.means()
+        pick = max if self.score == "mqar_acc" else min
+        return pick(means, key=means.get)
+
+
+def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> list[Architecture]:
+    """Runs grouped by their config without `key` and the per-run keys (RUN_KEYS), in first-seen order."""
+    groups: dict[str, list[tuple[Run, dict]]] = {}
+    for run, s in zip(runs, summaries):
+        config = json.loads(json.dumps(run.config, default=str))
+        parent, _, leaf = key.rpartition(".")
+        (cfg_get(config, parent) if parent else config).pop(leaf)
+        for k in RUN_KEYS:
+            config.pop(k, None)
+        groups.setdefault(json.dumps(config, sort_keys=True), []).append((run, s))
+    archs, labels = [], set()
+    for members in groups.values():
+        first = members[0][1]
+        label = "-".join(str(first[c]) for c in ("attention", "ffn") if first[c]) + f"-d{first['d_model']}"
+        if label in labels:
+            label += f"-{len(labels)}"
+        labels.add(label)
+        score = "mqar_acc" if all(s["mqar_acc"] is not None for _, s in members) else "val_loss"
+        arch = Architecture(label, score, summary=first)
+        for run, s in members:
+            arch.points.setdefault(cfg_get(run.config, key), []).append(s[score])
+        archs.append(arch)
+    return archs
+
+
+def best_over_table(archs: list[Architecture], key: str) -> str:
+    lines = [f"| architecture | score | best {key} | mean | min-max | seeds | mean at every {key} |",
+             "|---|---|---|---|---|---|---|"]
+    for a in archs:
+        best = a.best()
+        scores = a.points[best]
+        every = ", ".join(f"{v:g}: {m:.4g}" for v, m in a.means().items())
+        lines.append(f"| {a.label} | {a.score} | {best:g} | {statistics.mean(scores):.4g} | "
+                     f"{min(scores):.4g}-{max(scores):.4g} | {len(scores)} | {every} |")
+    return "\n".join(lines)
+
+
+def plot_best_over(archs: list[Architecture], key: str, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = out / f"best_{key.replace('.', '_')}"
+    folder.mkdir(exist_ok=True)
+    written = []
+    for a in archs:
+        fig, ax = plt.subplots(figsize=(5, 3.5))
+        for v, scores in a.points.items():
+            ax.plot([v] * len(scores), scores, "o", color="tab:blue", alpha=0.5, ms=4)
+        means = a.means()
+        ax.plot(list(means), list(means.values()), "-", color="tab:blue")
+        ax.axvline(a.best(), color="tab:green", ls=":", label=f"best {key} = {a.best():g}")
+        if all(v > 0 for v in means):
+            ax.set_xscale("log")
+        ax.set_xlabel(key)
+        ax.set_ylabel("MQAR accuracy" if a.score == "mqar_acc" else "val loss (nats/token)")
+        ax.set_title(a.label, fontsize=9)
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = folder / (re.sub(r"[^A-Za-z0-9._=-]+", "_", a.label) + ".png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_over: str | None = None) -> dict:
     runs, notes = discover(paths)
     if wandb_path:
         runs += read_wandb_api(wandb_path)
@@ -372,6 +481,9 @@ def compare(paths: list[Path], out: Path, wandb_path: str | None = None) -> dict
     for r in skipped:
         notes.append(f"skipped {r.name} ({r.source}): {r.note or 'no val metrics'}")
     runs = [r for r in runs if r not in skipped]
+    missing = [r.name for r in runs if best_over and cfg_get(r.config, best_over) is None]
+    if missing:
+        raise ValueError(f"--best-over {best_over}: run {missing[0]} has no {best_over} in its config")
     summaries = [summarize_run(r) for r in runs]
     out.mkdir(parents=True, exist_ok=True)
     slice_cols = sorted({k for s in summaries for k in s if k.startswith("mqar_acc/")},
@@ -382,16 +494,27 @@ def compare(paths: list[Path], out: Path, wandb_path: str | None = None) -> dict
         writer.writeheader()
         writer.writerows(summaries)
     shown = [c for c in columns if c != "source" and any(s.get(c) is not None for s in summaries)]
-    plots = plot_all(runs, summaries, out) if runs else []
-    md = [f"# Comparison of {len(runs)} run(s)", "", markdown_table(summaries, shown) if runs else "(no complete runs)", "",
-          "params: total (active per token); tokens/s and MFU: median over training logs after the first; "
-          "val metrics at the last evaluation; wall_s: training wall-clock; state_size: decode-cache numbers "
-          "per sequence at trainer.seq_len.", ""]
-    md += [f"![{p.stem}]({p.name})" for p in plots]
+    archs = group_architectures(runs, summaries, best_over) if best_over and runs else []
+    best_points = None
+    if archs:  # the MQAR plots show each architecture at its best value
+        best_points = [{**a.summary, "mqar_acc": a.means()[a.best()] if a.score == "mqar_acc" else None} for a in archs]
+    plots = plot_all(runs, summaries, out, best_points) if runs else []
+    md = [f"# Comparison of {len(runs)} run(s)", ""]
+    if archs:
+        md += [f"## Best {best_over} per architecture", "", best_over_table(archs, best_over), "",
+               f"score: MQAR accuracy (higher is better) or val loss (lower is better) at the last evaluation, "
+               f"mean and min-max over seeds at the best {best_over}; every point is in best_{best_over.replace('.', '_')}/"
+               f"<architecture>.png and in the table below.", "", "## Every run", ""]
+        plots += plot_best_over(archs, best_over, out)
+    md += [markdown_table(summaries, shown) if runs else "(no complete runs)", "",
+           "params: total (active per token); tokens/s and MFU: median over training logs after the first; "
+           "val metrics at the last evaluation; wall_s: training wall-clock; state_size: decode-cache numbers "
+           "per sequence at trainer.seq_len.", ""]
+    md += [f"![{p.stem}]({p.relative_to(out)})" for p in plots]
     if notes:
         md += ["", "## Notes", *[f"- {n}" for n in notes]]
     (out / "compare.md").write_text("\n".join(md) + "\n")
-    return {"summaries": summaries, "notes": notes, "plots": plots, "markdown": "\n".join(md)}
+    return {"summaries": summaries, "architectures": archs, "notes": notes, "plots": plots, "markdown": "\n".join(md)}
 
 
 def main(argv=None) -> int:
@@ -399,12 +522,13 @@ def main(argv=None) -> int:
     p.add_argument("paths", nargs="*", type=Path, help="run dirs, W&B offline run dirs, or folders holding them")
     p.add_argument("--wandb", help="ENTITY/PROJECT[/GROUP]: read the runs from the W&B API")
     p.add_argument("--out", type=Path, help="output folder (default reports/<date>_<time>)")
+    p.add_argument("--best-over", metavar="KEY", help="a swept config key (e.g. trainer.lr): each architecture at its best value")
     args = p.parse_args(argv)
     if not args.paths and not args.wandb:
         p.error("give run folders and/or --wandb ENTITY/PROJECT[/GROUP]")
     out = args.out or ROOT / "reports" / time.strftime("%Y-%m-%d_%H-%M-%S")
     try:
-        result = compare(args.paths, out, args.wandb)
+        result = compare(args.paths, out, args.wandb, args.best_over)
     except ValueError as e:
         sys.exit(f"error: {e}")
     print(result["markdown"])

@@ -12,6 +12,10 @@ never run inside every rank (as `train.py -m` under `accelerate launch` would). 
 per job, its console log <out>/<i>_<values>.log, and <out>/sweep.json (job, overrides, status,
 seconds, final val loss), updated after every job; exit status 1 if any job failed.
 
+An experiment may declare default axes in hydra.sweeper.params (experiment=mqar sweeps trainer.lr):
+they are added after the given ones, unless the key is given on the command line (which then wins),
+so `train.py -m` and this script sweep the same grid.
+
 --match-params active|total sets model.intermediate_size of every job so that its active (or total)
 parameter count is the closest to the first job's (the FFN absorbs the mixers' differences; a MoE's
 expert width follows intermediate_size when expert_intermediate_size is null). Counts come from
@@ -68,15 +72,26 @@ def job_name(job: list[str], overrides: list[str]) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", "-".join(swept) or "job")
 
 
-def compose(overrides: list[str]):
-    """The train.py config of these overrides (hydra.* ones dropped), without running anything."""
+def compose(overrides: list[str], hydra: bool = False):
+    """The train.py config of these overrides (hydra.* ones dropped; with hydra=True, Hydra's own node
+    too), without running anything."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
     from training.config import register_resolvers
 
     register_resolvers()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return hydra_compose("train", [o for o in overrides if not o.lstrip("+~").startswith("hydra.")])
+        return hydra_compose("train", [o for o in overrides if not o.lstrip("+~").startswith("hydra.")],
+                             return_hydra_config=hydra)
+
+
+def with_config_axes(overrides: list[str]) -> list[str]:
+    """overrides + the axes the composed config (of each axis' first value) declares in
+    hydra.sweeper.params whose key is not given."""
+    first = [f"{key}={split_values(value)[0]}" for key, _, value in (o.partition("=") for o in overrides)]
+    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    params = compose(first, hydra=True).hydra.sweeper.params or {}
+    return overrides + [f"{key}={value}" for key, value in params.items() if key not in given]
 
 
 def parameter_counts(cfg, intermediate_size: int | None = None) -> dict[str, int]:
@@ -148,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
 
     check_group_overrides(args.overrides)
     try:
-        grid = expand_grid(args.overrides)
+        overrides = with_config_axes(args.overrides)
+        grid = expand_grid(overrides)
     except ValueError as e:
         sys.exit(f"error: {e}")
     out = Path(args.out or ROOT / "multirun" / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}_sweep").resolve()
@@ -162,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 job = job + [f"model.intermediate_size={match_intermediate_size(cfg, target, args.match_params)}"]
                 cfg = compose(job)
-        name = f"{i}_{job_name(grid[i], args.overrides)}"
+        name = f"{i}_{job_name(grid[i], overrides)}"
         jobs.append({"job": i, "name": name, "overrides": job, "run_dir": str(out / name),
                      "params": parameter_counts(cfg), "status": "pending"})
     launcher = launcher_command(args)

@@ -217,3 +217,53 @@ def test_compare_reads_wandb_api(tmp_path, monkeypatch):
     assert "skipped api-running" in (out / "compare.md").read_text()
     with pytest.raises(SystemExit):
         compare.main(["--wandb", "just-a-project", "--out", str(out)])
+
+
+def test_sweep_expands_lr_and_seed_axes():
+    overrides = ["attention=gdn,mamba2", "trainer.lr=1e-3,3e-3", "seed=0,1"]
+    grid = sweep.expand_grid(overrides)
+    assert len(grid) == 8 and grid[1] == ["attention=gdn", "trainer.lr=1e-3", "seed=1"]
+    assert sweep.job_name(grid[3], overrides) == "gdn-3e-3-1"
+    cfg = sweep.compose(grid[3])
+    assert (cfg.trainer.lr, cfg.seed) == (3e-3, 1)
+
+
+def test_experiment_declares_its_lr_axis():
+    """experiment=mqar sweeps trainer.lr unless it is given; mqar_quick replaces the grid."""
+    given = ["experiment=mqar", "attention=gdn,mamba2"]
+    assert sweep.with_config_axes(given) == given + ["trainer.lr=1e-3,3e-3,1e-2,3e-2"]
+    assert sweep.with_config_axes(["experiment=mqar", "trainer.lr=1e-2"]) == ["experiment=mqar", "trainer.lr=1e-2"]
+    assert sweep.with_config_axes(["experiment=mqar_quick"])[-1] == "trainer.lr=3e-3,1e-2"
+    assert sweep.with_config_axes(["experiment=compare"]) == ["experiment=compare"]
+
+
+def test_compare_best_over_lr_with_seeds(tmp_path):
+    """--best-over trainer.lr: gdn is best at 3e-3 (MQAR accuracy, higher), softmax at 1e-3 (val loss,
+    lower, no MQAR); the table gives the best lr's mean and min-max over the seeds and every lr's mean,
+    one plot per architecture."""
+    runs = tmp_path / "runs"
+    acc = {1e-3: (0.2, 0.4), 3e-3: (0.9, 0.7), 1e-2: (0.1, 0.1)}  # gdn, per lr: seed 0, seed 1
+    loss = {1e-3: (2.0, 2.2), 3e-3: (2.5, 2.5), 1e-2: (3.0, 3.2)}  # softmax
+    gdn = tiny_config("experiment=mqar", "attention=gdn", "trainer.seq_len=32", "data.vocab_size=64")
+    softmax = tiny_config()
+
+    def at(config, lr, seed):
+        return {**config, "seed": seed, "trainer": {**config["trainer"], "lr": lr}}
+
+    for lr in acc:
+        for seed in (0, 1):
+            mqar = [{**r, "val/mqar_acc": acc[lr][seed]} for r in train_rows([10, 10], [1.0, 0.5])]
+            write_run(runs / f"gdn_{lr}_{seed}", at(gdn, lr, seed), mqar, params={"total": 1, "active": 1})
+            write_run(runs / f"softmax_{lr}_{seed}", at(softmax, lr, seed), train_rows([10, 10], [3.0, loss[lr][seed]]),
+                      params={"total": 1, "active": 1})
+    out = tmp_path / "report"
+    assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
+    md = (out / "compare.md").read_text()
+    assert "| gdn-dense-d32 | mqar_acc | 0.003 | 0.8 | 0.7-0.9 | 2 | 0.001: 0.3, 0.003: 0.8, 0.01: 0.1 |" in md
+    assert "| softmax-dense-d32 | val_loss | 0.001 | 2.1 | 2-2.2 | 2 | 0.001: 2.1, 0.003: 2.5, 0.01: 3.1 |" in md
+    assert md.count("| gdn_") + md.count("| softmax_") == 12  # every run stays in the full table
+    for arch in ("gdn-dense-d32", "softmax-dense-d32"):
+        assert (out / "best_trainer_lr" / f"{arch}.png").stat().st_size > 1000
+    assert (out / "mqar_state.png").exists()
+    with pytest.raises(SystemExit, match="has no trainer.nope"):
+        compare.main([str(runs), "--out", str(out), "--best-over", "trainer.nope"])

@@ -1,8 +1,14 @@
-"""Dense SwiGLU FFN: y = W_down (silu(W_gate x) * W_up x)."""
+"""Dense SwiGLU FFN: y = W_down (silu(W_gate x) * W_up x).
+
+Init as Llama's MLP: N(0, initializer_range) for all three; ours differs on purpose in one place,
+shared by every block: down_proj, which writes into the residual stream, gets std * 1/sqrt(2 L)
+(model/layers.py residual_scale)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from transformers import initialization as init
 
+from model.layers import residual_scale
 from model.registry import FFNS
 
 
@@ -14,7 +20,12 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
-        self.down_proj.is_residual_out = True
+        self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
+
+    def init_parameters(self) -> None:
+        init.normal_(self.gate_proj.weight, mean=0.0, std=self.init_std)
+        init.normal_(self.up_proj.weight, mean=0.0, std=self.init_std)
+        init.normal_(self.down_proj.weight, mean=0.0, std=self.init_std * self.residual_scale)
 
     def forward(self, x: torch.Tensor, aux=None) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

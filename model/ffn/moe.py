@@ -24,6 +24,12 @@ Balancing (each switchable):
   b_i += gamma sign(mean_j load_j - load_i), then b -= mean(b).
 - capacity_factor C: each expert keeps at most ceil(C N k / E) assignments per forward, earliest
   tokens first; the rest are dropped (the token keeps its residual and shared path) and counted.
+
+Init as DeepSeek-V3 / Qwen2-MoE (transformers' _init_weights of both): router weight and both expert
+weights N(0, initializer_range), the aux-free bias 0; the shared experts are a SwiGLU (Llama's MLP,
+as Qwen2-MoE's shared_expert), which initialises itself. Ours differs on purpose in one place, shared
+by every block: the experts' down projection, which writes into the residual stream, gets
+std * 1/sqrt(2 L) (model/layers.py residual_scale).
 """
 import math
 
@@ -34,6 +40,7 @@ import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.ffn.dense import SwiGLU
+from model.layers import residual_scale
 from model.registry import FFNS
 
 DEFAULTS = dict(
@@ -78,8 +85,7 @@ class MoE(nn.Module):
         d, E = config.hidden_size, self.num_experts
         f = opts["expert_intermediate_size"] or config.intermediate_size // (self.top_k + self.num_shared)
         self.hidden_size, self.expert_size = d, f
-        self.std = config.initializer_range
-        self.num_layers = config.num_hidden_layers
+        self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
 
         self.router = nn.Linear(d, E, bias=False)
         # Stacked expert weights, laid out for x @ W: gate and up fused into one [d, 2f] matrix.
@@ -93,8 +99,9 @@ class MoE(nn.Module):
         self.pending_counts: torch.Tensor | None = None
 
     def init_parameters(self) -> None:
-        init.normal_(self.gate_up_proj, mean=0.0, std=self.std)
-        init.normal_(self.down_proj, mean=0.0, std=self.std / math.sqrt(2 * self.num_layers))
+        init.normal_(self.router.weight, mean=0.0, std=self.init_std)
+        init.normal_(self.gate_up_proj, mean=0.0, std=self.init_std)
+        init.normal_(self.down_proj, mean=0.0, std=self.init_std * self.residual_scale)
         if self.aux_free_bias:
             init.zeros_(self.expert_bias)
 

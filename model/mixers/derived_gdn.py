@@ -10,6 +10,7 @@ with q, k after rotary, each scaled by d^-1/4. Option clamp_ktil (default true) 
 |ktil_t|^2 <= 2t - 1, the largest norm for which the step does not amplify the state; false runs the
 recursion exactly (large early keys then blow the state up, see tests/test_gated_delta.py).
 Decoding keeps A [B, H, d, d], the running key and value sums and t in the cache: constant memory.
+Init: SoftmaxAttention's (Llama's), the same parameters.
 """
 import torch
 

@@ -15,9 +15,14 @@ LM loss never reaches the indexer and L_I never reaches the rest. Stages (option
           keys it selects them all, so attention is exactly dense (and computed densely) there.
 In eval mode the layer also reports "dsa/topk_attention_recall": the share of the dense attention
 mass (head-averaged) that the selected keys hold. Cached decoding reports nothing.
+
+Init as DeepSeek-V3.2 (transformers' DeepseekV32PreTrainedModel): the main projections as
+SoftmaxAttention (Llama), the indexer's q_proj, k_proj and w_proj N(0, initializer_range), its k_norm
+to identity (weight 1, bias 0).
 """
 import torch
 import torch.nn as nn
+from transformers import initialization as init
 
 from model.layers import DocumentSegments, RotaryEmbedding
 from model.mixers.softmax import SoftmaxAttention, attend
@@ -77,6 +82,14 @@ class DSAttention(SoftmaxAttention):
         self.topk, self.stage, self.indexer_loss_coef = opts["topk"], opts["stage"], opts["indexer_loss_coef"]
         self.indexer = LightningIndexer(config.hidden_size, opts["index_heads"], opts["index_head_dim"],
                                         opts["index_rope_dim"], config.rope_theta)
+
+    def init_parameters(self) -> None:
+        super().init_parameters()
+        ix = self.indexer
+        for proj in (ix.q_proj, ix.k_proj, ix.w_proj):
+            init.normal_(proj.weight, mean=0.0, std=self.init_std)
+        init.ones_(ix.k_norm.weight)
+        init.zeros_(ix.k_norm.bias)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None,
                 segments: DocumentSegments | None = None) -> torch.Tensor:

@@ -8,12 +8,25 @@
 Value heads may outnumber query/key heads (num_v_heads, GQA-style): each q/k head then serves
 num_v_heads / num_heads consecutive value heads. Decoding keeps the three conv tails and the
 recurrent state h [B, Hv, d_k, d_v] in the cache: constant memory.
+
+Init as fla's GatedDeltaNetPreTrainedModel: every projection N(0, initializer_range), A ~ U(0, 16)
+stored as log A, softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4, the gated norm's weight 1.
+Ours differs on purpose in two places:
+- the short-conv kernels keep PyTorch's nn.Conv1d default U(+-1/sqrt(conv_size)), as mamba_ssm's conv,
+  where fla's _init_weights gives them N(0, initializer_range) (its ShortConvolution is an nn.Conv1d).
+  Four taps of std 0.02 shrink q, k, v an order of magnitude at init; at our widths v then sits
+  near the gated norm's eps, and gdn learns MQAR recall far slower.
+- o_proj gets std * 1/sqrt(2 L), shared by every block (model/layers.py residual_scale; fla's
+  prenorm_residual_strategy="rescale" does the same with a kaiming base).
 """
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.layers import GatedRMSNorm, ShortConv, at_least_fp32, init_A_log_, init_dt_bias_
+from transformers import initialization as init
+
+from model.layers import (GatedRMSNorm, ShortConv, at_least_fp32, init_A_log_, init_dt_bias_, init_fan_in_uniform_,
+                          residual_scale)
 from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule,
                                    fused_recurrent_gated_delta_rule)
 from model.registry import MIXERS
@@ -51,9 +64,14 @@ class GatedDeltaNet(nn.Module):
         self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
         self.o_norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, norm_before_gate=True)
         self.o_proj = nn.Linear(value_dim, d, bias=False)
-        self.o_proj.is_residual_out = True
+        self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
 
     def init_parameters(self) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
+            init.normal_(proj.weight, mean=0.0, std=self.init_std)
+        for conv in (self.q_conv, self.k_conv, self.v_conv):  # depthwise: fan_in = kernel size
+            init_fan_in_uniform_(conv.conv.weight, self.conv_size)
+        init.normal_(self.o_proj.weight, mean=0.0, std=self.init_std * self.residual_scale)
         init_A_log_(self.A_log, 0.0, 16.0)
         init_dt_bias_(self.dt_bias)
 

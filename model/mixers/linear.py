@@ -8,6 +8,7 @@ phi is `elu1` (elu(x) + 1, positive) or `identity`; `normalize` divides by the r
 softmax checkpoint loads unchanged; phi is applied after rotary, to the q, k that checkpoint was
 trained to produce (as in the Hedgehog / LoLCATs conversions of RoPE models). With GQA, k and v are
 repeated to the query heads. Decoding keeps S [B, H, d, d] (and the key sum) in the cache.
+Init: SoftmaxAttention's (Llama's), the same parameters.
 """
 import torch
 import torch.nn.functional as F

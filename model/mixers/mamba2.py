@@ -12,12 +12,20 @@ shared by the groups, where mamba_ssm has one per channel: identical at the defa
 state_size defaults to 64 rather than mamba_ssm's 128: the SSD's FLOPs and state grow linearly in
 N, and at d_model = 256 on CPU N = 64 keeps the scan at ~20% of the mixer's FLOPs (28% at N = 128)
 with a state of H P N = 32K floats per layer (8 heads of 64).
+
+Init as mamba_ssm (Mamba2.__init__ and MambaLMHeadModel's _init_weights): in_proj keeps PyTorch's
+nn.Linear default, U(+-1/sqrt(d_model)); the conv kernel and bias PyTorch's nn.Conv1d default,
+U(+-1/sqrt(conv_size)); softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4; A = -exp(A_log),
+-A ~ U(1, 16); D = 1; the norm's weight 1; out_proj U(+-1/sqrt(d_inner)) * 1/sqrt(2 L)
+(rescale_prenorm_residual with an MLP per layer, model/layers.py residual_scale). Not the generic
+N(0, 0.02): with it the SSM path C h starts weaker against the D x skip (tests/test_init.py).
+transformers' Mamba2 differs from mamba_ssm (in_proj N(0, 0.1), A = 1..H, no residual rescale).
 """
 import torch
 import torch.nn as nn
 from transformers import initialization as init
 
-from model.layers import GatedRMSNorm, ShortConv, init_A_log_, init_dt_bias_
+from model.layers import GatedRMSNorm, ShortConv, init_A_log_, init_dt_bias_, init_fan_in_uniform_, residual_scale
 from model.ops.linear_attention import chunk_flops_per_token
 from model.ops.ssd import mamba_chunk_scan, mamba_state_step
 from model.registry import MIXERS
@@ -50,9 +58,14 @@ class Mamba2(nn.Module):
         self.D = nn.Parameter(torch.empty(self.num_heads))
         self.norm = GatedRMSNorm(self.d_inner // self.n_groups, config.rms_norm_eps, norm_before_gate=False)
         self.out_proj = nn.Linear(self.d_inner, d, bias=False)
-        self.out_proj.is_residual_out = True
+        self.residual_scale = residual_scale(config)
 
     def init_parameters(self) -> None:
+        init_fan_in_uniform_(self.in_proj.weight, self.in_proj.in_features)
+        kernel = self.conv.kernel_size  # depthwise: fan_in = kernel_size
+        init_fan_in_uniform_(self.conv.conv.weight, kernel)
+        init_fan_in_uniform_(self.conv.conv.bias, kernel)
+        init_fan_in_uniform_(self.out_proj.weight, self.d_inner, self.residual_scale)
         init_dt_bias_(self.dt_bias)  # softplus(dt_bias) ~ logU(1e-3, 1e-1)
         init_A_log_(self.A_log, 1, 16)  # A = -exp(A_log), -A ~ U(1, 16)
         init.ones_(self.D)

@@ -1,16 +1,23 @@
 """Softmax attention with GQA and RoPE: o = softmax(q k^T / sqrt(d) + causal mask) v, through
 F.scaled_dot_product_attention. Its projections (q_proj, k_proj, v_proj, o_proj) and rotary are
-reused by the mixers that replace only the core (derived_gdn, dsa), so a softmax checkpoint loads
-into them unchanged. With DocumentSegments (document masking) rotary runs at the segments'
-position_ids and a query attends only to its own segment (SDPA with the block-causal mask on CPU,
-FlexAttention with its BlockMask on CUDA)."""
+reused by the mixers that replace only the core (derived_gdn, linear, dsa), so a softmax checkpoint
+loads into them unchanged.
+
+Init as Llama (transformers' LlamaPreTrainedModel): every projection N(0, initializer_range). Ours
+differs on purpose in one place, shared by every block: o_proj, which writes into the residual
+stream, gets std * 1/sqrt(2 L) (model/layers.py residual_scale).
+
+With DocumentSegments (document masking) rotary runs at the segments' position_ids and a query
+attends only to its own segment (SDPA with the block-causal mask on CPU, FlexAttention with its
+BlockMask on CUDA)."""
 from functools import cache
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from transformers import initialization as init
 
-from model.layers import DocumentSegments, RotaryEmbedding
+from model.layers import DocumentSegments, RotaryEmbedding, residual_scale
 from model.registry import MIXERS
 
 
@@ -27,8 +34,13 @@ class SoftmaxAttention(nn.Module):
         self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
-        self.o_proj.is_residual_out = True
         self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
+        self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
+
+    def init_parameters(self) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            init.normal_(proj.weight, mean=0.0, std=self.init_std)
+        init.normal_(self.o_proj.weight, mean=0.0, std=self.init_std * self.residual_scale)
 
     def project(self, x: torch.Tensor, offset: int = 0, position_ids: torch.Tensor | None = None):
         """q [B, T, H, D], k, v [B, T, Hkv, D], rotary applied at position_ids [B, T] if given, else at

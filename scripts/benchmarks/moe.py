@@ -35,7 +35,6 @@ def build(E: int, k: int, d: int, f: int):
     ours = MoE(LMConfig(hidden_size=d, num_hidden_layers=1, ffn="moe", ffn_options={"moe": dict(
         num_experts=E, top_k=k, expert_intermediate_size=f, norm_topk_prob=False)}))
     ours.init_parameters()
-    torch.nn.init.normal_(ours.router.weight, std=0.02)
     theirs = {}
     for impl in ("eager", "grouped_mm"):
         cfg = Qwen2MoeConfig(hidden_size=d, moe_intermediate_size=f, num_experts=E, num_experts_per_tok=k,
