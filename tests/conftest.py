@@ -21,6 +21,16 @@ def data_cache(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture
+def one_thread():
+    """For tests of tiny shapes: a second thread only adds synchronisation, and is very slow when
+    the cores are shared (use with pytestmark = pytest.mark.usefixtures("one_thread"))."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 # A tiny run: 2 layers, d=64, a 512-token BPE on 40 stdlib files, 64-token sequences.
 TINY = [
     "logger=none", "model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=4",

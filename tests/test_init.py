@@ -18,12 +18,7 @@ MIXERS = ("softmax", "linear", "derived_gdn", "dsa", "gdn", "mamba2")
 MAMBA2 = {"head_dim": 16, "state_size": 16, "chunk_size": 16}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def build(attention: str, ffn: str = "dense", d: int = D, layers: int = LAYERS, seed: int = 0, vocab: int = 64,

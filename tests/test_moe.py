@@ -15,14 +15,7 @@ from model.layers import AuxCollector
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Shapes here are tiny: a second thread only adds synchronisation, which is very slow when
-    other processes share the cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def make_moe(d=12, layers=2, **options) -> MoE:

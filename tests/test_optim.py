@@ -13,13 +13,7 @@ from training.optim import CombinedOptimizer, Muon, build_optimizer, build_sched
 MIXERS = ["softmax", "gdn", "derived_gdn", "mamba2", "linear", "dsa"]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: a second thread only adds synchronisation, very slow when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def every_block_model(**kw) -> DecoderLM:

@@ -13,13 +13,7 @@ from training.evaluation import sample
 WORDS = ["<eos>"] + [f"w{i}" for i in range(63)]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: a second thread only adds synchronisation, very slow when the cores are shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
