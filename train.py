@@ -88,7 +88,7 @@ def setup(cfg: DictConfig) -> Run:
     tc = cfg.trainer
     use_cuda = torch.cuda.is_available()
     state = PartialState(cpu=not use_cuda)
-    world, rank = state.num_processes, state.process_index
+    world = state.num_processes
     micro = tc.batch_size // (world * tc.grad_accum)
     if micro * world * tc.grad_accum != tc.batch_size:
         raise ValueError(f"trainer.batch_size={tc.batch_size} is not divisible by processes ({world}) x grad_accum ({tc.grad_accum})")
