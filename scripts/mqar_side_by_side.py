@@ -65,6 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--embed-std", type=float, help="re-draw our embedding from N(0, std) (ours: initializer_range, "
+                                                   "0.02; transformers' Mamba2: 0.1)")
     args = p.parse_args(argv)
     if args.block not in BLOCKS:
         sys.exit(f"error: unknown --block {args.block!r}; valid: {', '.join(BLOCKS)}")
@@ -78,6 +80,8 @@ def main(argv=None) -> int:
     ours = DecoderLM(LMConfig(vocab_size=data.vocab_size, hidden_size=d, num_hidden_layers=2, num_attention_heads=2,
                               max_position_embeddings=64, attention="mamba2",
                               mixer_options={"mamba2": {"head_dim": args.head_dim, "state_size": args.state_size}}))
+    if args.embed_std is not None:
+        torch.nn.init.normal_(ours.embed_tokens.weight, std=args.embed_std)
     torch.manual_seed(args.seed)
     theirs = transformers_mamba2(data.vocab_size, d, args.head_dim, args.state_size)
     for name, model in (("transformers", theirs), ("ours", ours)):
