@@ -23,10 +23,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / "outputs" / "bench" / "data"
 
-PEER = textwrap.dedent('''
-    import json, resource, sys, time
-    import numpy as np
-    import threading
+# Peak anonymous memory of a preparing process, sampled every 0.1 s (prepended to both scripts).
+SAMPLER = textwrap.dedent('''
+    import threading, time
     def anon_mb():  # this process's anonymous resident memory (no file-backed mmap pages), MB
         for line in open("/proc/self/status"):
             if line.startswith("RssAnon:"):
@@ -37,6 +36,11 @@ PEER = textwrap.dedent('''
             peak_anon[0] = max(peak_anon[0], anon_mb())
             time.sleep(0.1)
     threading.Thread(target=sample, daemon=True).start()
+''')
+
+PEER = SAMPLER + textwrap.dedent('''
+    import json, resource, sys, time
+    import numpy as np
     from datasets import load_dataset
     from transformers import AutoTokenizer
     corpus, tok_dir, out = sys.argv[1:4]
@@ -62,20 +66,9 @@ PEER = textwrap.dedent('''
                       "rss_worker_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 ''')
 
-OURS = textwrap.dedent('''
+OURS = SAMPLER + textwrap.dedent('''
     import json, resource, sys, time
     from omegaconf import OmegaConf
-    import threading
-    def anon_mb():  # this process's anonymous resident memory (no file-backed mmap pages), MB
-        for line in open("/proc/self/status"):
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) / 1024
-    peak_anon = [0.0]
-    def sample():
-        while True:
-            peak_anon[0] = max(peak_anon[0], anon_mb())
-            time.sleep(0.1)
-    threading.Thread(target=sample, daemon=True).start()
     sys.path.insert(0, sys.argv[4])
     from data import build_data
     corpus, tok_dir, cache = sys.argv[1:4]
