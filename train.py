@@ -81,7 +81,7 @@ def setup(cfg: DictConfig) -> Run:
     from data import build_data
     from model import DecoderLM
     from training import checkpoint as ckpt
-    from training.optim import build_optimizer, build_scheduler
+    from training.optim import build_optimizer, build_scheduler, torch_optimizers
     from training.perf import device_peak
 
     t_start = time.time()
@@ -146,7 +146,7 @@ def setup(cfg: DictConfig) -> Run:
             "data": cfg.data.name, "data_info": data.info, "group": cfg.logger.get("group")}, indent=1))
 
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
-              optimizer=optimizer, optimizers=getattr(optimizer.optimizer, "parts", [optimizer.optimizer]),
+              optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
               scheduler=scheduler, micro=micro,
               flops_per_token=3 * lm.flops_per_token(tc.seq_len),
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),

@@ -146,6 +146,12 @@ class CombinedOptimizer(torch.optim.Optimizer):
             part.load_state_dict(state)
 
 
+def torch_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optimizer]:
+    """The plain torch optimizers inside `optimizer` (a CombinedOptimizer's parts), whose state a
+    checkpoint stores: torch.distributed.checkpoint maps each one's standard state dict to names."""
+    return optimizer.parts if isinstance(optimizer, CombinedOptimizer) else [optimizer]
+
+
 def build_optimizer(model: nn.Module, cfg, lr: float, distributed_type=DistributedType.NO) -> torch.optim.Optimizer:
     """cfg: the optimizer group (configs/optimizer/). One lr for every part: trainer.lr."""
     if cfg.name == "adamw":
