@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from data.mqar import build_mqar  # noqa: E402
 from model import DecoderLM, LMConfig  # noqa: E402
 
-BLOCKS = ("mamba2",)
+BLOCKS = ("mamba2", "gdn", "derived_gdn", "softmax", "linear", "dsa")   # ours; transformers' beside mamba2 only
 
 
 def transformers_mamba2(vocab: int, d: int, head_dim: int, state: int):
@@ -65,8 +65,8 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=500)
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--embed-std", type=float, help="re-draw our embedding from N(0, std) (ours: initializer_range, "
-                                                   "0.02; transformers' Mamba2: 0.1)")
+    p.add_argument("--embed-std", type=float, help="re-draw our embedding from N(0, std) (transformers' Mamba2: 0.1)")
+    p.add_argument("--ours-only", action="store_true", help="skip transformers' Mamba2")
     args = p.parse_args(argv)
     if args.block not in BLOCKS:
         sys.exit(f"error: unknown --block {args.block!r}; valid: {', '.join(BLOCKS)}")
@@ -78,13 +78,15 @@ def main(argv=None) -> int:
     d = args.hidden_size
     torch.manual_seed(args.seed)
     ours = DecoderLM(LMConfig(vocab_size=data.vocab_size, hidden_size=d, num_hidden_layers=2, num_attention_heads=2,
-                              max_position_embeddings=64, attention="mamba2",
+                              max_position_embeddings=64, attention=args.block,
                               mixer_options={"mamba2": {"head_dim": args.head_dim, "state_size": args.state_size}}))
     if args.embed_std is not None:
         torch.nn.init.normal_(ours.embed_tokens.weight, std=args.embed_std)
-    torch.manual_seed(args.seed)
-    theirs = transformers_mamba2(data.vocab_size, d, args.head_dim, args.state_size)
-    for name, model in (("transformers", theirs), ("ours", ours)):
+    models = [("ours", ours)]
+    if args.block == "mamba2" and not args.ours_only:
+        torch.manual_seed(args.seed)
+        models.insert(0, ("transformers", transformers_mamba2(data.vocab_size, d, args.head_dim, args.state_size)))
+    for name, model in models:
         seconds = train(model, data, args.steps, args.lr, 64, args.seed)
         acc = data.extra_eval(model, torch.device("cpu"))
         print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {seconds:.0f} CPU s, "
