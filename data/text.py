@@ -218,7 +218,9 @@ def map_into(writers: dict, dataset, column: str, tokenizer, num_proc: int, ever
                             desc="tokenizing")
     target = next(iter(writers))
     seen = 0
-    for table in tokenized.with_format("arrow").iter(batch_size=8 * BATCH):
+    # BATCH documents at a time: slices of the memory-mapped arrow file, so the working set is a
+    # batch's ids (and their filtered copy), whatever the corpus size.
+    for table in tokenized.with_format("arrow").iter(batch_size=BATCH):
         ids = table.column("input_ids").combine_chunks()
         num_bytes = table.column("num_bytes").to_numpy()
         to_val = held_out(seen, len(ids), every) if every else np.zeros(len(ids), dtype=bool)
