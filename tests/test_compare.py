@@ -10,7 +10,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY
+from model import DecoderLM
 from scripts import compare, sweep
+from training.config import lm_config
 from training.metrics import read_metrics
 
 
@@ -164,8 +166,6 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     assert float(a["peak_mem_gb"]) == pytest.approx(0.4) and float(a["wall_s"]) == 28.0
     assert float(b["wall_s"]) == 15.0  # no time/elapsed: cumulated step_time x steps
     assert (b["mixer"], b["ffn"], float(b["moe_imbalance"])) == ("gdn", "moe", 1.5)
-    from model import DecoderLM
-    from training.config import lm_config
     built = DecoderLM(lm_config(OmegaConf.create(tiny_config("attention=gdn", "ffn=moe", "ffn.options.num_experts=4")),
                                 64, None)).parameter_counts()
     assert (int(b["params_total"]), int(b["params_active"])) == (built["total"], built["active"])
@@ -179,6 +179,21 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     for png in ("val_loss_tokens", "val_loss_time", "throughput", "moe_load", "mqar_state", "mqar_width"):
         assert (out / f"{png}.png").stat().st_size > 1000, png
     assert len(result["summaries"]) == 4
+
+
+def test_compare_reads_runs_saved_when_mixer_was_attention(tmp_path):
+    """A run dir whose config.yaml says attention (group and model.attention) reads as a mixer run,
+    its model rebuilt for the parameter counts and the MQAR state size."""
+    config = tiny_config("experiment=mqar", "mixer=gdn", "model.mixer=[gdn,softmax]", "trainer.seq_len=32",
+                         "data.vocab_size=64")
+    config["attention"], config["model"]["attention"] = config.pop("mixer"), config["model"].pop("mixer")
+    rows = [{**r, "val/mqar_acc": 0.5} for r in train_rows([10, 10], [1.0, 0.5])]
+    write_run(tmp_path / "old_gdn", config, rows)
+    s = compare.summarize_run(compare.read_local(tmp_path / "old_gdn"))
+    built = DecoderLM(lm_config(OmegaConf.create(tiny_config("experiment=mqar", "mixer=gdn", "model.mixer=[gdn,softmax]",
+                                                             "trainer.seq_len=32", "data.vocab_size=64")), 64, None))
+    assert s["mixer"] == "gdn+softmax" and s["params_total"] == built.parameter_counts()["total"]
+    assert s["state_size"] > 2 * 32 * 32  # softmax's K, V at 32 tokens plus gdn's state
 
 
 def test_compare_reads_wandb_api(tmp_path, monkeypatch):
