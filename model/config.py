@@ -6,8 +6,8 @@ from model.options import parse_options
 
 class LMConfig(PretrainedConfig):
     model_type = "swaplm"
-    # `attention` was this config's name for `mixer`: config.json files that say "attention" still load,
-    # and from_pretrained(..., attention=...) / config.attention read and set `mixer`.
+    # `attention` was this config's name for `mixer`: config.attention and from_pretrained(..., attention=...)
+    # read and set `mixer` (and __init__ takes it, so config.json files that say "attention" still load).
     attribute_map = {"attention": "mixer"}
 
     def __init__(

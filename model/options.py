@@ -7,7 +7,6 @@ config's dict and is the one place its values are checked. Hydra reads the same 
 Checks that need the model's config (a head count dividing a width) stay in the block, with the
 message `bad_option` writes."""
 import dataclasses
-import types
 import typing
 
 
@@ -27,15 +26,15 @@ def parse_options(block: str, options_class, given: dict | None):
     unknown = sorted(set(given) - {f.name for f in fields})
     if unknown:
         raise ValueError(f"unknown {block} option(s) {unknown}; valid: {', '.join(f.name for f in fields)}")
-    types_ = typing.get_type_hints(options_class)
+    annotations = typing.get_type_hints(options_class)
     for f in fields:
         if f.name in given:
-            _check(block, f, types_[f.name], given[f.name])
+            _check(block, f, annotations[f.name], given[f.name])
     return options_class(**given)
 
 
 def _check(block: str, f: dataclasses.Field, annotation, value) -> None:
-    allowed = typing.get_args(annotation) if isinstance(annotation, types.UnionType) else (annotation,)
+    allowed = typing.get_args(annotation) or (annotation,)  # int | None -> (int, NoneType)
     nullable = type(None) in allowed
     if value is None and nullable:
         return
