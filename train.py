@@ -17,9 +17,9 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from training.config import check_group_overrides, lm_config, register_resolvers
+from training.config import check_group_overrides, lm_config, register_hydra, resolve_aliases
 
-register_resolvers()
+register_hydra()
 
 
 class JobFailed(RuntimeError):
@@ -200,13 +200,13 @@ def init_wandb(accelerator, cfg: DictConfig, run_dir: Path, counts: dict) -> Non
             id_file.write_text(secrets.token_hex(4))  # the shape of W&B's own ids: 8 lowercase characters
         run_id = [id_file.read_text().strip()]
     broadcast_object_list(run_id)
-    arch = {"attention": OmegaConf.to_container(cfg.model.attention) if cfg.model.attention else cfg.attention.name,
+    arch = {"mixer": OmegaConf.to_container(cfg.model.mixer) if cfg.model.mixer else cfg.mixer.name,
             "ffn": OmegaConf.to_container(cfg.model.ffn) if cfg.model.ffn else cfg.ffn.name, "size": cfg.model.size}
     accelerator.init_trackers(
         cfg.logger.project, config={**OmegaConf.to_container(cfg, resolve=True), "params": counts, "arch": arch},
         init_kwargs={"wandb": {"name": f"{cfg.name}-{run_dir.name}", "group": cfg.logger.group, "id": run_id[0],
                                "resume": "allow", "dir": str(run_dir), "mode": wandb_mode(cfg.logger.mode),
-                               "tags": [str(arch["attention"]), str(arch["ffn"]), str(arch["size"]), *cfg.logger.tags]}})
+                               "tags": [str(arch["mixer"]), str(arch["ffn"]), str(arch["size"]), *cfg.logger.tags]}})
 
 
 def train_step(run: Run) -> tuple[float, dict, float]:
@@ -363,4 +363,5 @@ def finish(run: Run, last_log: dict) -> float:
 
 if __name__ == "__main__":
     check_group_overrides(sys.argv[1:])
+    sys.argv[1:] = resolve_aliases(sys.argv[1:])  # attention=... -> mixer=..., before Hydra parses them
     main()

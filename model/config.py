@@ -1,9 +1,14 @@
 """LMConfig: a transformers PretrainedConfig with HF field names plus the per-layer block kinds."""
 from transformers import PretrainedConfig
 
+from model.options import parse_options
+
 
 class LMConfig(PretrainedConfig):
     model_type = "swaplm"
+    # `attention` was this config's name for `mixer`: config.attention and from_pretrained(..., attention=...)
+    # read and set `mixer` (and __init__ takes it, so config.json files that say "attention" still load).
+    attribute_map = {"attention": "mixer"}
 
     def __init__(
         self,
@@ -19,7 +24,7 @@ class LMConfig(PretrainedConfig):
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
         tie_word_embeddings: bool = True,
-        attention: str | list[str] = "softmax",
+        mixer: str | list[str] = "softmax",
         ffn: str | list[str] = "dense",
         mixer_options: dict | None = None,
         ffn_options: dict | None = None,
@@ -41,7 +46,8 @@ class LMConfig(PretrainedConfig):
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
         # A name applies to every layer; a list gives one name per layer (hybrid schedules).
-        self.attention = list(attention) if not isinstance(attention, str) else attention
+        mixer = kwargs.pop("attention", mixer)  # config.json saved before the rename
+        self.mixer = list(mixer) if not isinstance(mixer, str) else mixer
         self.ffn = list(ffn) if not isinstance(ffn, str) else ffn
         # Per-kind options, keyed by mixer / FFN name: {"gdn": {"conv_size": 4}, ...}.
         self.mixer_options = dict(mixer_options or {})
@@ -70,23 +76,15 @@ class LMConfig(PretrainedConfig):
 
     @property
     def layer_mixers(self) -> list[str]:
-        return self._per_layer(self.attention, "attention")
+        return self._per_layer(self.mixer, "mixer")
 
     @property
     def layer_ffns(self) -> list[str]:
         return self._per_layer(self.ffn, "ffn")
 
-    def options_for_mixer(self, name: str, defaults: dict) -> dict:
-        """The `name` mixer's options over its defaults; an unknown option is a one-line error."""
-        return _merge_options(name, self.mixer_options.get(name), defaults)
+    def options_for_mixer(self, name: str, options_class):
+        """The `name` mixer's options (an `options_class`) from mixer_options[name]; bad ones are a one-line error."""
+        return parse_options(name, options_class, self.mixer_options.get(name))
 
-    def options_for_ffn(self, name: str, defaults: dict) -> dict:
-        return _merge_options(name, self.ffn_options.get(name), defaults)
-
-
-def _merge_options(name: str, given: dict | None, defaults: dict) -> dict:
-    given = dict(given or {})
-    unknown = sorted(set(given) - set(defaults))
-    if unknown:
-        raise ValueError(f"unknown {name} option(s) {unknown}; valid: {', '.join(defaults)}")
-    return {**defaults, **given}
+    def options_for_ffn(self, name: str, options_class):
+        return parse_options(name, options_class, self.ffn_options.get(name))

@@ -1,7 +1,7 @@
 """DecoderLM: embed -> [x + mixer(norm(x)); x + ffn(norm(x))] x L -> norm -> lm_head.
 
 A transformers PreTrainedModel, so save_pretrained / from_pretrained / generate / lm-eval work.
-Each layer's mixer and FFN come from the registries by the names in LMConfig.attention / .ffn.
+Each layer's mixer and FFN come from the registries by the names in LMConfig.mixer / .ffn.
 """
 from dataclasses import dataclass
 

@@ -25,5 +25,5 @@ class Registry:
         return self._classes[name]
 
 
-MIXERS = Registry("attention")
+MIXERS = Registry("mixer")
 FFNS = Registry("ffn")

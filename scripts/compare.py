@@ -48,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 from training.plots import LOAD  # noqa: E402  (moe/layer<i>/load)
 from training.metrics import read_metrics  # noqa: E402
 
-COLUMNS = ["run", "attention", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",
+COLUMNS = ["run", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",
            "val_ppl", "val_bpb", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s", "moe_imbalance", "mqar_acc",
            "state_size", "source"]
 
@@ -63,6 +63,11 @@ class Run:
     complete: bool = True
     note: str = ""
     summary: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        from training.config import with_current_names
+
+        self.config = with_current_names(self.config)  # runs saved when mixer was called attention
 
 
 # ---- readers ---------------------------------------------------------------------------------------
@@ -223,7 +228,7 @@ STATE_SIZES: dict[str, int] = {}  # architecture (JSON) -> state_size
 def state_size(config: dict) -> int:
     """Numbers in the decode cache of one sequence after trainer.seq_len tokens, summed over layers
     (computed once per architecture: runs of an lr or seed sweep share it)."""
-    shape = json.dumps({**{k: config.get(k) for k in ("model", "attention", "ffn")}, "seq_len": config["trainer"]["seq_len"],
+    shape = json.dumps({**{k: config.get(k) for k in ("model", "mixer", "ffn")}, "seq_len": config["trainer"]["seq_len"],
                         "vocab": cfg_get(config, "data.vocab_size")}, sort_keys=True, default=str)
     if shape not in STATE_SIZES:
         STATE_SIZES[shape] = cache_numbers(config)
@@ -270,11 +275,11 @@ def summarize_run(run: Run) -> dict:
     c, rows = run.config, run.rows
     if run.params is None and c:
         run.params = build_model(c, meta=True).parameter_counts()
-    attention = cfg_get(c, "model.attention") or cfg_get(c, "attention.name") or cfg_get(c, "arch.attention")
+    mixer = cfg_get(c, "model.mixer") or cfg_get(c, "mixer.name") or cfg_get(c, "arch.mixer")
     ffn = cfg_get(c, "model.ffn") or cfg_get(c, "ffn.name") or cfg_get(c, "arch.ffn")
     clock = wall_clock(rows)
     s = {
-        "run": run.name, "attention": "+".join(attention) if isinstance(attention, list) else attention,
+        "run": run.name, "mixer": "+".join(mixer) if isinstance(mixer, list) else mixer,
         "ffn": "+".join(ffn) if isinstance(ffn, list) else ffn, "d_model": cfg_get(c, "model.hidden_size"),
         "layers": cfg_get(c, "model.num_hidden_layers"),
         "params_total": (run.params or {}).get("total"), "params_active": (run.params or {}).get("active"),
@@ -372,8 +377,8 @@ def plot_all(runs: list[Run], summaries: list[dict], out: Path, mqar_points: lis
         for xkey, name, xlabel in (("state_size", "mqar_state.png", "recurrent state size (numbers per sequence)"),
                                    ("d_model", "mqar_width.png", "d_model")):
             fig, ax = plt.subplots(figsize=(6.5, 4.5))
-            for mixer in sorted({s["attention"] for s in mqar}):
-                pts = sorted((s[xkey], s["mqar_acc"]) for s in mqar if s["attention"] == mixer and s[xkey])
+            for mixer in sorted({s["mixer"] for s in mqar}):
+                pts = sorted((s[xkey], s["mqar_acc"]) for s in mqar if s["mixer"] == mixer and s[xkey])
                 ax.plot(*zip(*pts), "o-", label=mixer)
             ax.set_xscale("log", base=2)
             ax.set_xlabel(xlabel)
@@ -394,7 +399,7 @@ class Architecture:
     label: str
     score: str  # "mqar_acc" (higher is better) or "val_loss" (lower is better)
     points: dict = field(default_factory=dict)  # KEY value -> [score of each seed]
-    summary: dict = field(default_factory=dict)  # the first run's summary (attention, d_model, state_size, ...)
+    summary: dict = field(default_factory=dict)  # the first run's summary (mixer, d_model, state_size, ...)
 
     def means(self) -> dict:
         return {v: statistics.mean(scores) for v, scores in sorted(self.points.items())}
@@ -418,7 +423,7 @@ def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> lis
     archs, labels = [], set()
     for members in groups.values():
         first = members[0][1]
-        label = "-".join(str(first[c]) for c in ("attention", "ffn") if first[c]) + f"-d{first['d_model']}"
+        label = "-".join(str(first[c]) for c in ("mixer", "ffn") if first[c]) + f"-d{first['d_model']}"
         if label in labels:
             label += f"-{len(labels)}"
         labels.add(label)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One command: every attention kind x both FFNs on the embedded corpus (experiment=compare, active
-# parameters matched), every attention kind x MQAR widths x the MQAR experiment's learning rates
+# One command: every mixer x both FFNs on the embedded corpus (experiment=compare, active
+# parameters matched), every mixer x MQAR widths x the MQAR experiment's learning rates
 # (experiment=mqar_quick by default), then both reports, each architecture at its best lr
 # (compare.py --best-over trainer.lr; mean and min-max over seeds when SEEDS has several).
 #   scripts/compare_all.sh [OUT]        (default multirun/compare_all/<date>_<time>)
 # Open OUT/report_corpus/compare.md and OUT/report_mqar/compare.md (tables + PNGs next to them).
 # Environment (defaults in brackets):
-#   ATTENTION [softmax,mamba2,gdn,derived_gdn,linear,dsa]   FFN [dense,moe]   (corpus grid)
+#   MIXER [softmax,mamba2,gdn,derived_gdn,linear,dsa] (ATTENTION, its old name, also)   FFN [dense,moe]   (corpus grid)
 #   MQAR_FFN [dense]   WIDTHS [64,128]   MQAR_EXPERIMENT [mqar_quick; mqar: 1000 steps, 4 lrs]
-#                                                        (MQAR grid: ATTENTION x WIDTHS x the experiment's lrs)
+#                                                        (MQAR grid: MIXER x WIDTHS x the experiment's lrs)
 #   SEEDS [0]: seed axis of both grids, e.g. SEEDS=0,1,2
 #   LAUNCHER [accelerate with a GPU, else python]   ACCELERATE_CONFIG [accelerate's default]
 #   JOBS [2 with the python launcher, else 1]: jobs at once, each on cpu_count/JOBS threads
@@ -17,7 +17,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-multirun/compare_all/$(date +%Y-%m-%d_%H-%M-%S)}
-ATTENTION=${ATTENTION:-softmax,mamba2,gdn,derived_gdn,linear,dsa}
+MIXER=${MIXER:-${ATTENTION:-softmax,mamba2,gdn,derived_gdn,linear,dsa}}
 FFN=${FFN:-dense,moe}
 MQAR_FFN=${MQAR_FFN:-dense}
 WIDTHS=${WIDTHS:-64,128}
@@ -32,10 +32,10 @@ LAUNCH=(--launcher "$LAUNCHER" --jobs "$JOBS")
 start=$(date +%s)
 status=0
 # shellcheck disable=SC2086  # *_ARGS are word-split on purpose
-python scripts/sweep.py experiment=compare attention="$ATTENTION" ffn="$FFN" seed="$SEEDS" ${CORPUS_ARGS:-} \
+python scripts/sweep.py experiment=compare mixer="$MIXER" ffn="$FFN" seed="$SEEDS" ${CORPUS_ARGS:-} \
   --match-params active "${LAUNCH[@]}" --out "$OUT/corpus" || status=1
 # shellcheck disable=SC2086
-python scripts/sweep.py experiment="$MQAR_EXPERIMENT" attention="$ATTENTION" ffn="$MQAR_FFN" model.hidden_size="$WIDTHS" \
+python scripts/sweep.py experiment="$MQAR_EXPERIMENT" mixer="$MIXER" ffn="$MQAR_FFN" model.hidden_size="$WIDTHS" \
   seed="$SEEDS" ${MQAR_ARGS:-} \
   "${LAUNCH[@]}" --out "$OUT/mqar" || status=1
 python scripts/compare.py "$OUT/corpus" --best-over trainer.lr --out "$OUT/report_corpus" > /dev/null || status=1

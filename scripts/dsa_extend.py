@@ -39,11 +39,11 @@ def main() -> None:
         return run_dir
 
     softmax = Path(args.softmax_run) if args.softmax_run else train(
-        "0_softmax", "attention=softmax", f"trainer.max_steps={args.pretrain_steps}")
+        "0_softmax", "mixer=softmax", f"trainer.max_steps={args.pretrain_steps}")
     # References without training (lr 0): the softmax model at the long context, and DSA with an
     # untrained indexer (its recall is what the warm-up starts from).
     frozen = ["trainer.max_steps=1", "trainer.lr=0", "trainer.warmup_steps=0"]
-    ref = train("softmax_long_context", "experiment=dsa_warmup", "attention=softmax", "trainer.trainable=null",
+    ref = train("softmax_long_context", "experiment=dsa_warmup", "mixer=softmax", "trainer.trainable=null",
                 f"init_from={softmax}", *frozen)
     untrained = train("dsa_untrained_indexer", "experiment=dsa_warmup", f"init_from={softmax}", *frozen)
     warm = train("1_warmup", "experiment=dsa_warmup", f"init_from={softmax}")

@@ -40,7 +40,7 @@ import torch.nn.functional as F  # noqa: E402
 from training.config import group_choices  # noqa: E402
 from training.perf import GPU_PEAKS, cpu_contention_warning, cpu_peak, cuda_fp32_precision, gpu_peak  # noqa: E402
 
-MIXERS = group_choices("attention")
+MIXERS = group_choices("mixer")
 COMPILE_MIXERS = ("softmax", "gdn", "mamba2")  # one per kernel family (SDPA, fla GDN, fla simple GLA): compiling is slow
 FWD_TOL, GRAD_TOL = 5e-3, 2e-2  # of max |reference|: Triton's fp32 dots run in tf32
 
@@ -308,14 +308,12 @@ def check_dsa(device: str = "cuda", T: int = 300, topk: int = 32) -> list[str]:
 
 
 def small_model(mixer: str, vocab: int):
-    from omegaconf import OmegaConf
-
+    """The mixer at its default options (those of configs/mixer/<mixer>.yaml)."""
     from model import DecoderLM, LMConfig
 
-    options = OmegaConf.to_container(OmegaConf.load(ROOT / "configs" / "attention" / f"{mixer}.yaml")).get("options") or {}
     torch.manual_seed(0)
     config = LMConfig(vocab_size=vocab, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                      attention=mixer, mixer_options={mixer: options}, max_position_embeddings=1024)
+                      mixer=mixer, max_position_embeddings=1024)
     return DecoderLM(config).eval()
 
 
@@ -364,7 +362,7 @@ def check_train(mixers: list[str], steps: int, timeout_s: float) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         for mixer in mixers:
             run_dir = Path(tmp) / mixer
-            cmd = [sys.executable, str(ROOT / "train.py"), "model=125m", f"attention={mixer}", "logger=none",
+            cmd = [sys.executable, str(ROOT / "train.py"), "model=125m", f"mixer={mixer}", "logger=none",
                    "trainer.seq_len=2048", "trainer.batch_size=8", f"trainer.max_steps={steps}",
                    f"trainer.warmup_steps={max(steps // 6, 1)}", f"trainer.log_every={log_every}",
                    f"trainer.eval_every={steps}", "trainer.eval_batches=1", f"trainer.ckpt_every={steps}",

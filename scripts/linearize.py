@@ -177,7 +177,7 @@ def swapped(checkpoint: Path, mixer: str, layers: list[int] | None, **mixer_opti
     original = DecoderLM.from_pretrained(checkpoint).config.layer_mixers
     chosen = range(len(original)) if layers is None else layers
     schedule = [mixer if i in chosen else name for i, name in enumerate(original)]
-    model, info = DecoderLM.from_pretrained(checkpoint, attention=schedule, output_loading_info=True,
+    model, info = DecoderLM.from_pretrained(checkpoint, mixer=schedule, output_loading_info=True,
                                             mixer_options={mixer: mixer_options})
     if info["missing_keys"] or info["unexpected_keys"]:
         raise ValueError(f"{mixer}: checkpoint does not load cleanly: {info}")

@@ -2,7 +2,7 @@
 
     python scripts/mqar_side_by_side.py --block mamba2 --hidden-size 128 --steps 500 --lr 1e-2
 
-Both models are 2 layers of the block (ours: DecoderLM with attention=<block>, dense FFN and the
+Both models are 2 layers of the block (ours: DecoderLM with mixer=<block>, dense FFN and the
 block's defaults at head_dim 32; theirs: transformers' Mamba2ForCausalLM, mixer-only layers, the same
 heads, head_dim, state size and expand), trained on the same batches of experiment=mqar's data
 (configs/data/mqar.yaml, trainer.seq_len 64, batch 64) with the same AdamW (betas 0.9, 0.95,
@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     d = args.hidden_size
     torch.manual_seed(args.seed)
     ours = DecoderLM(LMConfig(vocab_size=data.vocab_size, hidden_size=d, num_hidden_layers=2, num_attention_heads=2,
-                              max_position_embeddings=64, attention=args.block,
+                              max_position_embeddings=64, mixer=args.block,
                               mixer_options={"mamba2": {"head_dim": args.head_dim, "state_size": args.state_size}}))
     if args.embed_std is not None:
         torch.nn.init.normal_(ours.embed_tokens.weight, std=args.embed_std)

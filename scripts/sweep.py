@@ -1,7 +1,7 @@
 """Run a grid of train.py jobs one after another (or --jobs at once on CPU), each under `accelerate
 launch` (or plain python), continuing past failed jobs, then print a summary.
 
-    python scripts/sweep.py attention=softmax,mamba2,gdn,derived_gdn,dsa ffn=dense,moe experiment=compare \
+    python scripts/sweep.py mixer=softmax,mamba2,gdn,derived_gdn,dsa ffn=dense,moe experiment=compare \
         [--accelerate-config configs/accelerate/multi_gpu.yaml] [--launcher python] [--match-params active] \
         [--out multirun/compare] [--jobs 2] [--dry-run]
 
@@ -77,19 +77,21 @@ def compose(overrides: list[str], hydra: bool = False):
     too), without running anything."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
-    from training.config import register_resolvers
+    from training.config import register_hydra, resolve_aliases
 
-    register_resolvers()
+    register_hydra()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return hydra_compose("train", [o for o in overrides if not o.lstrip("+~").startswith("hydra.")],
+        return hydra_compose("train", [o for o in resolve_aliases(overrides) if not o.lstrip("+~").startswith("hydra.")],
                              return_hydra_config=hydra)
 
 
 def with_config_axes(overrides: list[str]) -> list[str]:
     """overrides + the axes the composed config (of each axis' first value) declares in
     hydra.sweeper.params whose key is not given."""
+    from training.config import resolve_aliases
+
     first = [f"{key}={split_values(value)[0]}" for key, _, value in (o.partition("=") for o in overrides)]
-    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    given = {o.partition("=")[0].lstrip("+~") for o in resolve_aliases(overrides)}
     params = compose(first, hydra=True).hydra.sweeper.params or {}
     return overrides + [f"{key}={value}" for key, value in params.items() if key not in given]
 

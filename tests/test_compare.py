@@ -10,7 +10,9 @@ import yaml
 from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY
+from model import DecoderLM
 from scripts import compare, sweep
+from training.config import lm_config
 from training.metrics import read_metrics
 
 
@@ -64,7 +66,7 @@ def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_c
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader((tmp_path / "r" / "compare.csv").open()))
-    assert [(r["run"], r["attention"]) for r in rows] == [("0_softmax-dense-tiny", "softmax"), ("1_gdn-dense-tiny", "gdn")]
+    assert [(r["run"], r["mixer"]) for r in rows] == [("0_softmax-dense-tiny", "softmax"), ("1_gdn-dense-tiny", "gdn")]
     for r, p in zip(rows, runs):
         assert float(r["val_loss"]) == pytest.approx(read_metrics(p)[-1]["val/loss"])
         assert int(r["params_total"]) == json.loads((p / "run_info.json").read_text())["params"]["total"]
@@ -163,9 +165,7 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     assert float(a["tokens_per_sec"]) == 300  # median of the logs after the first
     assert float(a["peak_mem_gb"]) == pytest.approx(0.4) and float(a["wall_s"]) == 28.0
     assert float(b["wall_s"]) == 15.0  # no time/elapsed: cumulated step_time x steps
-    assert (b["attention"], b["ffn"], float(b["moe_imbalance"])) == ("gdn", "moe", 1.5)
-    from model import DecoderLM
-    from training.config import lm_config
+    assert (b["mixer"], b["ffn"], float(b["moe_imbalance"])) == ("gdn", "moe", 1.5)
     built = DecoderLM(lm_config(OmegaConf.create(tiny_config("attention=gdn", "ffn=moe", "ffn.options.num_experts=4")),
                                 64, None)).parameter_counts()
     assert (int(b["params_total"]), int(b["params_active"])) == (built["total"], built["active"])
@@ -173,12 +173,27 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     # MQAR: softmax state = K and V of every layer at trainer.seq_len = 2 layers x 2 x 32 x d_model 32
     assert float(d["mqar_acc"]) == 0.5 and float(d["mqar_acc/32x4"]) == 0.75 and int(d["state_size"]) == 2 * 2 * 32 * 32
     assert float(w["val_loss"]) == 2.25 and int(w["tokens"]) == 300 and int(w["params_active"]) == 1000
-    assert w["attention"] == "mamba2" and float(w["wall_s"]) > 0
+    assert w["mixer"] == "mamba2" and float(w["wall_s"]) > 0
     md = (out / "compare.md").read_text()
     assert "skipped c_unfinished" in md and "no final/" in md and "| a_softmax | softmax | dense |" in md
     for png in ("val_loss_tokens", "val_loss_time", "throughput", "moe_load", "mqar_state", "mqar_width"):
         assert (out / f"{png}.png").stat().st_size > 1000, png
     assert len(result["summaries"]) == 4
+
+
+def test_compare_reads_runs_saved_when_mixer_was_attention(tmp_path):
+    """A run dir whose config.yaml says attention (group and model.attention) reads as a mixer run,
+    its model rebuilt for the parameter counts and the MQAR state size."""
+    config = tiny_config("experiment=mqar", "mixer=gdn", "model.mixer=[gdn,softmax]", "trainer.seq_len=32",
+                         "data.vocab_size=64")
+    config["attention"], config["model"]["attention"] = config.pop("mixer"), config["model"].pop("mixer")
+    rows = [{**r, "val/mqar_acc": 0.5} for r in train_rows([10, 10], [1.0, 0.5])]
+    write_run(tmp_path / "old_gdn", config, rows)
+    s = compare.summarize_run(compare.read_local(tmp_path / "old_gdn"))
+    built = DecoderLM(lm_config(OmegaConf.create(tiny_config("experiment=mqar", "mixer=gdn", "model.mixer=[gdn,softmax]",
+                                                             "trainer.seq_len=32", "data.vocab_size=64")), 64, None))
+    assert s["mixer"] == "gdn+softmax" and s["params_total"] == built.parameter_counts()["total"]
+    assert s["state_size"] > 2 * 32 * 32  # softmax's K, V at 32 tokens plus gdn's state
 
 
 def test_compare_reads_wandb_api(tmp_path, monkeypatch):
@@ -212,7 +227,7 @@ def test_compare_reads_wandb_api(tmp_path, monkeypatch):
     rows = list(csv.DictReader((out / "compare.csv").open()))
     assert [r["run"] for r in rows] == ["api-gdn"]
     r = rows[0]
-    assert (r["attention"], float(r["val_loss"]), int(r["tokens"]), float(r["wall_s"])) == ("gdn", 1.9, 5120, 6.0)
+    assert (r["mixer"], float(r["val_loss"]), int(r["tokens"]), float(r["wall_s"])) == ("gdn", 1.9, 5120, 6.0)
     assert (int(r["params_total"]), int(r["params_active"])) == (9, 8) and r["source"].startswith("https://wandb.ai/")
     assert "skipped api-running" in (out / "compare.md").read_text()
     with pytest.raises(SystemExit):

@@ -1,29 +1,33 @@
-"""Every config group composes with the defaults, and every attention x ffn choice builds a model
-that runs forward/backward."""
+"""Every config group composes with the defaults, every mixer x ffn choice builds a model that runs
+forward/backward, the YAML option sections against the blocks' Options dataclasses, option errors,
+and `attention` as the mixer's old name on the command line."""
+import dataclasses
+
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from training.config import CONFIG_DIR, group_choices, lm_config, register_resolvers
+from training.config import CONFIG_DIR, group_choices, lm_config, register_hydra, resolve_aliases
 
-register_resolvers()
+register_hydra()
 
 
 def compose_train(*overrides):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=list(overrides))
+        return compose(config_name="train", overrides=resolve_aliases(list(overrides)))
 
 
-@pytest.mark.parametrize("group", ["model", "attention", "ffn", "optimizer", "data", "logger", "experiment"])
+@pytest.mark.parametrize("group", ["model", "mixer", "ffn", "optimizer", "data", "logger", "experiment"])
 def test_every_choice_composes(group):
     for choice in group_choices(group):
         cfg = compose_train(f"{group}={choice}")
         assert cfg.trainer.max_steps > 0
-        if group in ("attention", "ffn", "optimizer"):
+        if group in ("mixer", "ffn", "optimizer"):
             assert cfg[group].name == choice
 
 
-@pytest.mark.parametrize("attention", group_choices("attention"))
+@pytest.mark.parametrize("attention", group_choices("mixer"))
 @pytest.mark.parametrize("ffn", group_choices("ffn"))
 def test_every_block_pair_builds_and_trains_one_step(attention, ffn):
     from model import DecoderLM
@@ -38,3 +42,66 @@ def test_every_block_pair_builds_and_trains_one_step(attention, ffn):
     out.loss.backward()
     assert all(p.grad is not None for n, p in m.named_parameters() if p.requires_grad and "indexer" not in n)
     assert m.flops_per_token(40) > 0
+
+
+@pytest.mark.parametrize("group", ["mixer", "ffn"])
+def test_yaml_options_are_fields_that_differ_from_the_defaults(group):
+    """configs/<group>/<name>.yaml per registered block: a block with an Options dataclass loads it as
+    the schema of `options`, and the YAML's own option values (if any) are fields of it that differ
+    from its defaults (a default lives in the dataclass only); a block without one has no options.
+    The composed options are the defaults with the YAML's values over them."""
+    from model import FFNS, MIXERS
+
+    registry = MIXERS if group == "mixer" else FFNS
+    assert group_choices(group) == registry.names()
+    with_options = 0
+    for name in registry.names():
+        raw = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / group / f"{name}.yaml"))
+        given = raw.get("options") or {}
+        options_class = getattr(registry.get(name), "Options", None)
+        composed = OmegaConf.to_container(compose_train(f"{group}={name}")[group].options)
+        if options_class is None:
+            assert given == {} and composed == {} and "defaults" not in raw, name
+            continue
+        with_options += 1
+        assert f"/{group}_options/{name}@options" in raw["defaults"], name
+        defaults = {f.name: f.default for f in dataclasses.fields(options_class)}
+        for key, value in given.items():
+            assert key in defaults, f"configs/{group}/{name}.yaml: {key} is not a field of {options_class.__name__}"
+            assert value != defaults[key], f"configs/{group}/{name}.yaml: {key}={value!r} repeats the default"
+        assert composed == {**defaults, **given}, name
+    assert with_options >= (5 if group == "mixer" else 1)  # gdn, derived_gdn, mamba2, linear, dsa; moe
+
+
+@pytest.mark.parametrize("kind,name,options,message", [
+    ("mixer", "gdn", {"chunk_size": 0}, "gdn chunk_size=0; valid: an integer >= 1"),
+    ("mixer", "gdn", {"head_dim": 2.5}, "gdn head_dim=2.5; valid: an integer >= 1 or null"),
+    ("mixer", "derived_gdn", {"clamp_ktil": 1}, "derived_gdn clamp_ktil=1; valid: true or false"),
+    ("mixer", "mamba2", {"expand": True}, "mamba2 expand=True; valid: an integer >= 1"),
+    ("mixer", "dsa", {"stage": "dense"}, "unknown dsa stage 'dense'; valid: warmup, sparse"),
+    ("mixer", "linear", {"feature_map": "relu"}, "unknown linear feature_map 'relu'; valid: identity, elu1"),
+    ("mixer", "mamba2", {"state_dim": 8}, "unknown mamba2 option(s) ['state_dim']; valid: expand, head_dim, "
+                                          "state_size, n_groups, conv_size, chunk_size"),
+    ("ffn", "moe", {"capacity_factor": 0}, "moe capacity_factor=0; valid: a number > 0 or null"),
+    ("ffn", "moe", {"balance_loss_coef": -1.0}, "moe balance_loss_coef=-1.0; valid: a number >= 0"),
+])
+def test_bad_option_is_one_line_naming_block_option_value_and_valid(kind, name, options, message):
+    from model import DecoderLM, LMConfig
+
+    config = LMConfig(vocab_size=32, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                      **{kind: name, f"{kind}_options": {name: options}})
+    with pytest.raises(ValueError) as e:
+        DecoderLM(config)
+    assert str(e.value) == message
+
+
+def test_attention_is_the_mixer_on_the_command_line():
+    """attention=..., attention.options.<name>=... and model.attention=... compose exactly as their
+    mixer spellings (train.py and scripts/sweep.py pass overrides through resolve_aliases)."""
+    assert resolve_aliases(["attention=gdn,softmax", "+attention.options.x=1", "model.attention=[gdn]",
+                            "attention_x=1", "trainer.lr=1"]) == \
+        ["mixer=gdn,softmax", "+mixer.options.x=1", "model.mixer=[gdn]", "attention_x=1", "trainer.lr=1"]
+    old = compose_train("attention=gdn", "attention.options.chunk_size=16", "model.attention=[gdn,softmax,gdn,softmax]")
+    new = compose_train("mixer=gdn", "mixer.options.chunk_size=16", "model.mixer=[gdn,softmax,gdn,softmax]")
+    assert old == new and new.mixer.options.chunk_size == 16 and new.name == "gdn-dense-tiny"
+    assert lm_config(new, 64, None).layer_mixers == ["gdn", "softmax", "gdn", "softmax"]

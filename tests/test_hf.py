@@ -45,9 +45,9 @@ def test_untied_and_errors():
     assert m.lm_head.weight is not m.embed_tokens.weight
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=64"):
         m(torch.zeros(1, 65, dtype=torch.long))
-    with pytest.raises(ValueError, match="unknown attention 'nope'; valid: "):
+    with pytest.raises(ValueError, match="unknown mixer 'nope'; valid: "):
         DecoderLM(tiny(attention="nope"))
-    with pytest.raises(ValueError, match="attention lists 3 layers but num_hidden_layers=2"):
+    with pytest.raises(ValueError, match="mixer lists 3 layers but num_hidden_layers=2"):
         DecoderLM(tiny(attention=["softmax"] * 3)).config.layer_mixers
 
 
@@ -56,3 +56,23 @@ def test_scaled_init():
     std_q = m.layers[0].mixer.q_proj.weight.std().item()
     std_o = m.layers[0].mixer.o_proj.weight.std().item()
     assert std_q == pytest.approx(0.02, rel=0.05) and std_o == pytest.approx(0.02 / 4, rel=0.05)
+
+
+def test_config_json_saved_with_attention_still_loads(tmp_path):
+    """Before `mixer` had its name, config.json said "attention": such a model loads unchanged, and
+    from_pretrained(..., attention=...) still sets the mixer."""
+    import json
+
+    torch.manual_seed(0)
+    m = DecoderLM(tiny(mixer=["gdn", "softmax"], mixer_options={"gdn": {"chunk_size": 8}})).eval()
+    m.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["mixer"] == ["gdn", "softmax"] and "attention" not in saved
+    saved["attention"] = saved.pop("mixer")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    old = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert old.config.layer_mixers == ["gdn", "softmax"] and old.layers[0].mixer.chunk_size == 8
+    x = torch.randint(0, 101, (2, 12))
+    assert torch.equal(m(x).logits, old(x).logits)
+    swapped = DecoderLM.from_pretrained(tmp_path, attention=["gdn", "derived_gdn"])  # softmax's weights fit it
+    assert swapped.config.layer_mixers == ["gdn", "derived_gdn"]

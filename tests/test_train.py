@@ -142,6 +142,7 @@ def test_non_finite_loss_stops_with_message(tmp_path, data_cache):
 
 @pytest.mark.parametrize("arg,needle,valid", [
     ("attention=nope", "unknown attention 'nope'; valid: ", "softmax"),
+    ("mixer=nope", "unknown mixer 'nope'; valid: ", "softmax"),
     ("ffn=dense,nope", "unknown ffn 'nope'; valid: ", "dense"),
     ("data=nope", "unknown data 'nope'; valid: ", "stdlib"),
     ("model=nope", "unknown model 'nope'; valid: ", "tiny"),
@@ -157,7 +158,7 @@ def test_unknown_group_choice_is_one_line(tmp_path, arg, needle, valid):
 
 @pytest.mark.parametrize("override,needle", [
     ("trainer.seq_len=8192", "exceeds model.max_position_embeddings=4096"),
-    ("model.attention=[softmax,nope]", "unknown attention 'nope'; valid:"),
+    ("model.attention=[softmax,nope]", "unknown mixer 'nope'; valid:"),
     ("data=local data.path=/nonexistent/x.txt", "does not exist"),
     ("trainer.batch_size=3 trainer.grad_accum=2", "is not divisible"),
 ])

@@ -1,5 +1,5 @@
-"""Hydra glue: one-line errors for unknown group choices, the rank-zero run-dir resolver, and
-cfg -> LMConfig."""
+"""Hydra glue: one-line errors for unknown group choices, the `attention` alias of the mixer group,
+the rank-zero run-dir resolver, the blocks' option schemas, and cfg -> LMConfig."""
 import os
 import sys
 import tempfile
@@ -8,7 +8,9 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
-GROUPS = ("model", "attention", "ffn", "optimizer", "data", "logger", "experiment")
+GROUPS = ("model", "mixer", "ffn", "optimizer", "data", "logger", "experiment")
+# Old spellings still taken on the command line: attention=gdn, attention.options.topk=16, model.attention=[...].
+ALIASES = {"attention": "mixer", "model.attention": "model.mixer"}
 
 
 def group_choices(group: str) -> list[str]:
@@ -16,14 +18,41 @@ def group_choices(group: str) -> list[str]:
 
 
 def check_group_overrides(argv: list[str]) -> None:
-    """Fail at once, in one line, on `attention=nope` (Hydra's own message spans many lines)."""
+    """Fail at once, in one line, on `mixer=nope` (Hydra's own message spans many lines); the message
+    names the key as given (`attention=nope`: unknown attention 'nope')."""
     for arg in argv:
         key, sep, value = arg.lstrip("+~").partition("=")
-        if not sep or key not in GROUPS or value in ("null", ""):
+        group = ALIASES.get(key, key)
+        if not sep or group not in GROUPS or value in ("null", ""):
             continue
-        for choice in value.split(","):  # sweeps: attention=softmax,gdn
-            if choice not in group_choices(key):
-                sys.exit(f"error: unknown {key} {choice!r}; valid: {', '.join(group_choices(key))}")
+        for choice in value.split(","):  # sweeps: mixer=softmax,gdn
+            if choice not in group_choices(group):
+                sys.exit(f"error: unknown {key} {choice!r}; valid: {', '.join(group_choices(group))}")
+
+
+def resolve_aliases(overrides: list[str]) -> list[str]:
+    """Each override with an old key spelling (ALIASES) in its new one: attention.options.topk=16 ->
+    mixer.options.topk=16; the rest as given."""
+    resolved = []
+    for arg in overrides:
+        key = arg.lstrip("+~").partition("=")[0]
+        prefix = arg[: len(arg) - len(arg.lstrip("+~"))]
+        for old, new in ALIASES.items():
+            if key == old or key.startswith(old + "."):
+                arg = prefix + new + arg[len(prefix) + len(old):]
+                break
+        resolved.append(arg)
+    return resolved
+
+
+def with_current_names(config: dict) -> dict:
+    """A saved train.py config (a run's config.yaml, a W&B run's config) under today's key names: runs
+    saved before the rename say attention, model.attention and arch.attention for mixer."""
+    def renamed(d: dict) -> dict:
+        return {("mixer" if k == "attention" else k): v for k, v in d.items()}
+
+    config = renamed(config)
+    return {k: renamed(v) if k in ("model", "arch") and isinstance(v, dict) else v for k, v in config.items()}
 
 
 def rank_zero_dir(path: str) -> str:
@@ -33,24 +62,37 @@ def rank_zero_dir(path: str) -> str:
     return path if rank == 0 else tempfile.mkdtemp(prefix=f"swaplm-rank{rank}-")
 
 
-def register_resolvers() -> None:
+def register_hydra() -> None:
+    """The rank_zero_dir resolver, and each block's Options dataclass as the Hydra schema its YAML loads
+    as `options` (ConfigStore groups mixer_options/<name>, ffn_options/<name>): a YAML lists only what
+    differs from the defaults, and mixer.options.<name>=<value> overrides any option."""
+    from hydra.core.config_store import ConfigStore
+
+    from model import FFNS, MIXERS
+
     if not OmegaConf.has_resolver("rank_zero_dir"):
         OmegaConf.register_new_resolver("rank_zero_dir", rank_zero_dir)
+    store = ConfigStore.instance()
+    for group, registry in (("mixer_options", MIXERS), ("ffn_options", FFNS)):
+        for name in registry.names():
+            options = getattr(registry.get(name), "Options", None)
+            if options is not None:
+                store.store(group=group, name=name, node=options)
 
 
 def lm_config(cfg, vocab_size: int, eos_token_id: int | None):
-    """LMConfig from cfg.model + cfg.attention + cfg.ffn (a per-layer list in cfg.model overrides
+    """LMConfig from cfg.model + cfg.mixer + cfg.ffn (a per-layer list in cfg.model overrides
     the group's single name; the group's options apply to its kind)."""
     from model import LMConfig
 
     m = OmegaConf.to_container(cfg.model, resolve=True)
     m.pop("size")
-    attention = m.pop("attention") or cfg.attention.name
+    mixer = m.pop("mixer") or cfg.mixer.name
     ffn = m.pop("ffn") or cfg.ffn.name
     return LMConfig(
-        vocab_size=vocab_size, attention=attention, ffn=ffn, eos_token_id=eos_token_id,
+        vocab_size=vocab_size, mixer=mixer, ffn=ffn, eos_token_id=eos_token_id,
         bos_token_id=eos_token_id,
-        mixer_options={cfg.attention.name: OmegaConf.to_container(cfg.attention.options, resolve=True)},
+        mixer_options={cfg.mixer.name: OmegaConf.to_container(cfg.mixer.options, resolve=True)},
         ffn_options={cfg.ffn.name: OmegaConf.to_container(cfg.ffn.options, resolve=True)},
         **m,
     )

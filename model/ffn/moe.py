@@ -32,6 +32,7 @@ by every block: the experts' down projection, which writes into the residual str
 std * 1/sqrt(2 L) (model/layers.py residual_scale).
 """
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -41,49 +42,50 @@ from transformers import initialization as init
 
 from model.ffn.dense import SwiGLU
 from model.layers import residual_scale
+from model.options import bad_option, option
 from model.registry import FFNS
 
-DEFAULTS = dict(
-    num_experts=8,
-    top_k=2,
-    expert_intermediate_size=None,  # None: intermediate_size // (top_k + num_shared_experts), dense-matched active width
-    num_shared_experts=0,
-    score_func="softmax",
-    norm_topk_prob=True,
-    route_scale=1.0,
-    balance_loss_coef=1e-2,
-    z_loss_coef=1e-3,
-    aux_free_bias=False,
-    bias_update_rate=1e-3,
-    capacity_factor=None,  # None: dropless
-)
 SCORE_FUNCS = ("softmax", "sigmoid")
+
+
+@dataclass
+class MoEOptions:
+    num_experts: int = option(8, at_least=1)                     # E
+    top_k: int = option(2, at_least=1)                           # k <= E
+    # None: intermediate_size // (top_k + num_shared_experts), the active width of the dense FFN
+    expert_intermediate_size: int | None = option(None, at_least=1)
+    num_shared_experts: int = option(0, at_least=0)
+    score_func: str = option("softmax", choices=SCORE_FUNCS)
+    norm_topk_prob: bool = option(True)                          # renormalise the selected gates to sum 1
+    route_scale: float = option(1.0)
+    balance_loss_coef: float = option(1e-2, at_least=0)          # Switch balance loss (1.0 when balanced); 0 logs only
+    z_loss_coef: float = option(1e-3, at_least=0)                # router z-loss; 0 logs only
+    aux_free_bias: bool = option(False)                          # DeepSeek-V3 bias balancing, after each optimizer step
+    bias_update_rate: float = option(1e-3, at_least=0)           # gamma
+    capacity_factor: float | None = option(None, above=0)        # None: dropless; C: ceil(C N k / E) per expert
 
 
 @FFNS.register("moe")
 class MoE(nn.Module):
     may_leave_parameters_unused = True  # an expert that gets no token in a micro-batch gets no gradient
+    Options = MoEOptions
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        opts = config.options_for_ffn("moe", DEFAULTS)
-        if opts["score_func"] not in SCORE_FUNCS:
-            raise ValueError(f"moe score_func={opts['score_func']!r}; valid: {', '.join(SCORE_FUNCS)}")
-        if not 1 <= opts["top_k"] <= opts["num_experts"]:
-            raise ValueError(f"moe top_k={opts['top_k']} must be in 1..num_experts={opts['num_experts']}")
-        if opts["capacity_factor"] is not None and opts["capacity_factor"] <= 0:
-            raise ValueError(f"moe capacity_factor={opts['capacity_factor']} must be > 0 or null (dropless)")
+        opts = config.options_for_ffn("moe", MoEOptions)
+        if opts.top_k > opts.num_experts:
+            raise bad_option("moe", "top_k", opts.top_k, f"1..num_experts={opts.num_experts}")
         self.layer_idx = layer_idx
-        self.num_experts, self.top_k = opts["num_experts"], opts["top_k"]
-        self.num_shared = opts["num_shared_experts"]
-        self.score_func = opts["score_func"]
-        self.norm_topk_prob = opts["norm_topk_prob"]
-        self.route_scale = opts["route_scale"]
-        self.balance_loss_coef, self.z_loss_coef = opts["balance_loss_coef"], opts["z_loss_coef"]
-        self.aux_free_bias, self.bias_update_rate = opts["aux_free_bias"], opts["bias_update_rate"]
-        self.capacity_factor = opts["capacity_factor"]
+        self.num_experts, self.top_k = opts.num_experts, opts.top_k
+        self.num_shared = opts.num_shared_experts
+        self.score_func = opts.score_func
+        self.norm_topk_prob = opts.norm_topk_prob
+        self.route_scale = opts.route_scale
+        self.balance_loss_coef, self.z_loss_coef = opts.balance_loss_coef, opts.z_loss_coef
+        self.aux_free_bias, self.bias_update_rate = opts.aux_free_bias, opts.bias_update_rate
+        self.capacity_factor = opts.capacity_factor
         d, E = config.hidden_size, self.num_experts
-        f = opts["expert_intermediate_size"] or config.intermediate_size // (self.top_k + self.num_shared)
+        f = opts.expert_intermediate_size or config.intermediate_size // (self.top_k + self.num_shared)
         self.hidden_size, self.expert_size = d, f
         self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
 

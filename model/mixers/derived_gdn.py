@@ -12,20 +12,30 @@ recursion exactly (large early keys then blow the state up, see tests/test_gated
 Decoding keeps A [B, H, d, d], the running key and value sums and t in the cache: constant memory.
 Init: SoftmaxAttention's (Llama's), the same parameters.
 """
+from dataclasses import dataclass
+
 import torch
 
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_flops, derived_gated_delta_rule
+from model.options import option
 from model.registry import MIXERS
 
 STATE_KEYS = ("A", "k_sum", "v_sum", "t")
 
 
+@dataclass
+class DerivedGDNOptions:
+    clamp_ktil: bool = option(True)  # rescale ktil_t to |ktil_t|^2 <= 2t - 1; false: the exact recursion
+
+
 @MIXERS.register("derived_gdn")
 class DerivedGDN(SoftmaxAttention):
+    Options = DerivedGDNOptions
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
-        self.clamp_ktil = bool(config.options_for_mixer("derived_gdn", {"clamp_ktil": True})["clamp_ktil"])
+        self.clamp_ktil = config.options_for_mixer("derived_gdn", DerivedGDNOptions).clamp_ktil
 
     def core(self, q, k, v, cache: dict | None, aux, segments=None) -> torch.Tensor:
         groups = self.num_heads // self.num_kv_heads

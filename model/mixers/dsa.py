@@ -20,6 +20,8 @@ Init as DeepSeek-V3.2 (transformers' DeepseekV32PreTrainedModel): the main proje
 SoftmaxAttention (Llama), the indexer's q_proj, k_proj and w_proj N(0, initializer_range), its k_norm
 to identity (weight 1, bias 0).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 from transformers import initialization as init
@@ -28,9 +30,20 @@ from model.layers import DocumentSegments, RotaryEmbedding
 from model.mixers.softmax import SoftmaxAttention, attend
 from model.ops.sparse_attention import (Selection, dense_attention_probs, index_scores, index_scores_at, index_topk,
                                         selected_attention)
+from model.options import bad_option, option
 from model.registry import MIXERS
 
 STAGES = ("warmup", "sparse")
+
+
+@dataclass
+class DSAOptions:
+    topk: int = option(64, at_least=1)             # keys each query attends to (sparse stage)
+    index_heads: int = option(4, at_least=1)       # H_I
+    index_head_dim: int = option(32, at_least=1)   # d_I
+    index_rope_dim: int = option(16, at_least=2)   # rotary on the first index_rope_dim channels: even, <= d_I
+    stage: str = option("sparse", choices=STAGES)
+    indexer_loss_coef: float = option(1.0, at_least=0)
 
 
 def indexer_kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -67,21 +80,17 @@ class LightningIndexer(nn.Module):
 @MIXERS.register("dsa")
 class DSAttention(SoftmaxAttention):
     may_leave_parameters_unused = True  # the stage decides which of attention / indexer get gradients
+    Options = DSAOptions
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
-        opts = config.options_for_mixer("dsa", {"topk": 64, "index_heads": 4, "index_head_dim": 32,
-                                                "index_rope_dim": 16, "stage": "sparse", "indexer_loss_coef": 1.0})
-        if opts["stage"] not in STAGES:
-            raise ValueError(f"dsa stage {opts['stage']!r}; valid: {', '.join(STAGES)}")
-        if opts["topk"] < 1:
-            raise ValueError(f"dsa topk={opts['topk']}; must be >= 1")
-        if opts["index_rope_dim"] % 2 or not 0 < opts["index_rope_dim"] <= opts["index_head_dim"]:
-            raise ValueError(f"dsa index_rope_dim={opts['index_rope_dim']}; must be even and in "
-                             f"(0, index_head_dim={opts['index_head_dim']}]")
-        self.topk, self.stage, self.indexer_loss_coef = opts["topk"], opts["stage"], opts["indexer_loss_coef"]
-        self.indexer = LightningIndexer(config.hidden_size, opts["index_heads"], opts["index_head_dim"],
-                                        opts["index_rope_dim"], config.rope_theta)
+        opts = config.options_for_mixer("dsa", DSAOptions)
+        if opts.index_rope_dim % 2 or opts.index_rope_dim > opts.index_head_dim:
+            raise bad_option("dsa", "index_rope_dim", opts.index_rope_dim,
+                             f"even and in [2, index_head_dim={opts.index_head_dim}]")
+        self.topk, self.stage, self.indexer_loss_coef = opts.topk, opts.stage, opts.indexer_loss_coef
+        self.indexer = LightningIndexer(config.hidden_size, opts.index_heads, opts.index_head_dim,
+                                        opts.index_rope_dim, config.rope_theta)
 
     def init_parameters(self) -> None:
         super().init_parameters()

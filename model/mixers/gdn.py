@@ -19,6 +19,8 @@ Ours differs on purpose in two places:
 - o_proj gets std * 1/sqrt(2 L), shared by every block (model/layers.py residual_scale; fla's
   prenorm_residual_strategy="rescale" does the same with a kaiming base).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -29,26 +31,37 @@ from model.layers import (GatedRMSNorm, ShortConv, at_least_fp32, init_A_log_, i
                           residual_scale)
 from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule,
                                    fused_recurrent_gated_delta_rule)
+from model.options import bad_option, option
 from model.registry import MIXERS
+
+
+@dataclass
+class GDNOptions:
+    num_heads: int | None = option(None, at_least=1)    # None: the config's num_attention_heads
+    head_dim: int | None = option(None, at_least=1)     # None: hidden_size / num_heads
+    expand_v: float = option(2, above=0)                # value head width = expand_v * head_dim
+    num_v_heads: int | None = option(None, at_least=1)  # None: num_heads; else a multiple of it
+    conv_size: int = option(4, at_least=1)
+    chunk_size: int = option(CHUNK_SIZE, at_least=1)
 
 
 @MIXERS.register("gdn")
 class GatedDeltaNet(nn.Module):
+    Options = GDNOptions
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        # None: num_heads from the config, head_dim = hidden / num_heads, num_v_heads = num_heads.
-        opts = config.options_for_mixer("gdn", {"num_heads": None, "head_dim": None, "expand_v": 2,
-                                                "num_v_heads": None, "conv_size": 4, "chunk_size": CHUNK_SIZE})
+        opts = config.options_for_mixer("gdn", GDNOptions)
         d = config.hidden_size
         self.layer_idx = layer_idx
-        self.num_heads = opts["num_heads"] or config.num_attention_heads
-        self.head_dim = opts["head_dim"] or d // self.num_heads
-        self.expand_v = opts["expand_v"]
-        self.num_v_heads = opts["num_v_heads"] or self.num_heads
-        self.conv_size = opts["conv_size"]
-        self.chunk_size = opts["chunk_size"]
+        self.num_heads = opts.num_heads or config.num_attention_heads
+        self.head_dim = opts.head_dim or d // self.num_heads
+        self.expand_v = opts.expand_v
+        self.num_v_heads = opts.num_v_heads or self.num_heads
+        self.conv_size = opts.conv_size
+        self.chunk_size = opts.chunk_size
         if self.num_v_heads % self.num_heads:
-            raise ValueError(f"gdn: num_v_heads={self.num_v_heads} is not a multiple of num_heads={self.num_heads}")
+            raise bad_option("gdn", "num_v_heads", self.num_v_heads, f"a multiple of num_heads={self.num_heads}")
         self.head_v_dim = int(self.head_dim * self.expand_v)
         key_dim, value_dim = self.num_heads * self.head_dim, self.num_v_heads * self.head_v_dim
         self.q_proj = nn.Linear(d, key_dim, bias=False)

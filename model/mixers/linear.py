@@ -10,31 +10,39 @@ trained to produce (as in the Hedgehog / LoLCATs conversions of RoPE models). Wi
 repeated to the query heads. Decoding keeps S [B, H, d, d] (and the key sum) in the cache.
 Init: SoftmaxAttention's (Llama's), the same parameters.
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.linear_attention import chunk_flops_per_token, chunk_linear_attn
+from model.options import bad_option, option
 from model.registry import MIXERS
 
 FEATURE_MAPS = {"identity": lambda x: x, "elu1": lambda x: F.elu(x) + 1}
-DEFAULTS = dict(feature_map="elu1", normalize=True, chunk_size=64)
+
+
+@dataclass
+class LinearOptions:
+    feature_map: str = option("elu1", choices=tuple(FEATURE_MAPS))  # phi
+    normalize: bool = option(True)  # divide by the running key sum (needs the positive phi, elu1)
+    chunk_size: int = option(64, at_least=1)
 
 
 @MIXERS.register("linear")
 class LinearAttention(SoftmaxAttention):
+    Options = LinearOptions
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
-        opts = config.options_for_mixer("linear", DEFAULTS)
-        if opts["feature_map"] not in FEATURE_MAPS:
-            raise ValueError(f"linear feature_map={opts['feature_map']!r}; valid: {', '.join(FEATURE_MAPS)}")
-        if not (isinstance(opts["chunk_size"], int) and opts["chunk_size"] > 0):
-            raise ValueError(f"linear chunk_size={opts['chunk_size']!r}; valid: a positive integer")
-        if opts["normalize"] and opts["feature_map"] != "elu1":
-            raise ValueError(f"linear normalize=True needs feature_map='elu1' (a positive map), got {opts['feature_map']!r}")
-        self.feature_map = FEATURE_MAPS[opts["feature_map"]]
-        self.normalize = bool(opts["normalize"])
-        self.chunk_size = opts["chunk_size"]
+        opts = config.options_for_mixer("linear", LinearOptions)
+        if opts.normalize and opts.feature_map != "elu1":
+            raise bad_option("linear", "normalize", opts.normalize, f"false with feature_map={opts.feature_map!r} "
+                             "(the normaliser needs the positive map, elu1)")
+        self.feature_map = FEATURE_MAPS[opts.feature_map]
+        self.normalize = opts.normalize
+        self.chunk_size = opts.chunk_size
 
     def core(self, q, k, v, cache: dict | None, aux, segments=None) -> torch.Tensor:
         q, k = self.feature_map(q), self.feature_map(k)

@@ -21,6 +21,8 @@ U(+-1/sqrt(conv_size)); softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4; A 
 N(0, 0.02): with it the SSM path C h starts weaker against the D x skip (tests/test_init.py).
 transformers' Mamba2 differs from mamba_ssm (in_proj N(0, 0.1), A = 1..H, no residual rescale).
 """
+from dataclasses import dataclass
+
 import torch
 import torch.nn as nn
 from transformers import initialization as init
@@ -28,31 +30,39 @@ from transformers import initialization as init
 from model.layers import GatedRMSNorm, ShortConv, init_A_log_, init_dt_bias_, init_fan_in_uniform_, residual_scale
 from model.ops.linear_attention import chunk_flops_per_token
 from model.ops.ssd import mamba_chunk_scan, mamba_state_step
+from model.options import bad_option, option
 from model.registry import MIXERS
 
-DEFAULTS = dict(expand=2, head_dim=64, state_size=64, n_groups=1, conv_size=4, chunk_size=64)
+
+@dataclass
+class Mamba2Options:
+    expand: int = option(2, at_least=1)       # d_inner = expand * d_model
+    head_dim: int = option(64, at_least=1)    # P; heads H = d_inner / head_dim
+    state_size: int = option(64, at_least=1)  # N
+    n_groups: int = option(1, at_least=1)     # G, dividing H
+    conv_size: int = option(4, at_least=1)
+    chunk_size: int = option(64, at_least=1)
 
 
 @MIXERS.register("mamba2")
 class Mamba2(nn.Module):
+    Options = Mamba2Options
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        opts = config.options_for_mixer("mamba2", DEFAULTS)
-        bad = {k: v for k, v in opts.items() if not (isinstance(v, int) and v > 0)}
-        if bad:
-            raise ValueError(f"mamba2 options must be positive integers, got {bad}")
+        opts = config.options_for_mixer("mamba2", Mamba2Options)
         d = config.hidden_size
-        self.d_inner = opts["expand"] * d
-        self.head_dim, self.state_size, self.n_groups = opts["head_dim"], opts["state_size"], opts["n_groups"]
-        self.chunk_size = opts["chunk_size"]
+        self.d_inner = opts.expand * d
+        self.head_dim, self.state_size, self.n_groups = opts.head_dim, opts.state_size, opts.n_groups
+        self.chunk_size = opts.chunk_size
         if self.d_inner % self.head_dim:
-            raise ValueError(f"mamba2 head_dim={self.head_dim} does not divide d_inner={self.d_inner}")
+            raise bad_option("mamba2", "head_dim", self.head_dim, f"a divisor of d_inner={self.d_inner}")
         self.num_heads = self.d_inner // self.head_dim
         if self.num_heads % self.n_groups:
-            raise ValueError(f"mamba2 n_groups={self.n_groups} does not divide num_heads={self.num_heads}")
+            raise bad_option("mamba2", "n_groups", self.n_groups, f"a divisor of num_heads={self.num_heads}")
         gn = self.n_groups * self.state_size
         self.in_proj = nn.Linear(d, 2 * self.d_inner + 2 * gn + self.num_heads, bias=False)
-        self.conv = ShortConv(self.d_inner + 2 * gn, opts["conv_size"], bias=True)
+        self.conv = ShortConv(self.d_inner + 2 * gn, opts.conv_size, bias=True)
         self.dt_bias = nn.Parameter(torch.empty(self.num_heads))
         self.A_log = nn.Parameter(torch.empty(self.num_heads))
         self.D = nn.Parameter(torch.empty(self.num_heads))

@@ -42,7 +42,7 @@ def run(quick: bool) -> str:
     for mixer in MIXERS:
         torch.manual_seed(0)
         model = DecoderLM(LMConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=256, max_position_embeddings=T, attention=mixer))
+                                   intermediate_size=256, max_position_embeddings=T, mixer=mixer))
         steps = {"plain": step_fn(model, ids, None), "masked": step_fn(model, ids, position_ids)}
         times = {name: [] for name in steps}
         for _ in range(rounds):  # interleaved, so that load from other processes hits both alike

@@ -13,8 +13,8 @@ of width 256; no grad, it has no indexer loss) followed by SDPA under the [T, T]
 its eager/sdpa attention, forward and forward+backward: the masked path whose cost stays O(T^2).
 Its work matches "DSA index + top-k + attention"; our full core also trains the indexer (KL).
 
-Model level: a 1-layer DecoderLM (d 256, 4 heads of 64, SwiGLU 768, vocab 512) with attention=dsa
-(top-k 256) vs attention=softmax, fwd + bwd + AdamW at B 1, for 1 and for 4 KV heads.
+Model level: a 1-layer DecoderLM (d 256, 4 heads of 64, SwiGLU 768, vocab 512) with mixer=dsa
+(top-k 256) vs mixer=softmax, fwd + bwd + AdamW at B 1, for 1 and for 4 KV heads.
 """
 import math
 from pathlib import Path
@@ -170,12 +170,11 @@ def peer_scaling(lengths: list[int], rounds: int) -> tuple[str, dict]:
     return markdown_table(header, rows), curves
 
 
-def model_step(attention: str, kv_heads: int, T: int):
+def model_step(mixer: str, kv_heads: int, T: int):
     torch.manual_seed(0)
     cfg = LMConfig(vocab_size=512, hidden_size=256, num_hidden_layers=1, num_attention_heads=H,
                    num_key_value_heads=kv_heads, intermediate_size=768, max_position_embeddings=T,
-                   attention=attention, mixer_options={"dsa": {"topk": TOPK, "index_heads": H_I,
-                                                               "index_head_dim": D_I}})
+                   mixer=mixer, mixer_options={"dsa": {"topk": TOPK, "index_heads": H_I, "index_head_dim": D_I}})
     lm = DecoderLM(cfg)
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)
     batch = torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(0))

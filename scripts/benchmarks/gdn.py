@@ -10,7 +10,7 @@ nominal FLOPs (model.ops.gated_delta.chunk_gated_delta_flops at chunk 32, 3x for
 
 Model: fwd+bwd+AdamW tokens/s, batch 8 x 256, vocab 512, d 256, 4 layers, 4 q/k heads of 64, 4 value
 heads of 128 (expand_v 2), conv 4, SwiGLU FFN 704, tied embeddings:
-  - ours: DecoderLM attention=gdn (chunk 32, the gdn default);
+  - ours: DecoderLM mixer=gdn (chunk 32, the gdn default);
   - transformers Qwen3NextForCausalLM, every layer linear_attention, dense MLP (num_experts 0).
 Timings are interleaved rounds, median; GFLOP/s against the fp32 matmul peak of the same run. A second
 speed column is CPU time on one thread (time.thread_time, best of interleaved rounds), which other
@@ -86,7 +86,7 @@ def op_report(shapes: list[tuple], rounds: int, iters: int, peak: float) -> str:
 def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
     torch.manual_seed(0)
     config = LMConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                      attention="gdn", max_position_embeddings=max(2048, T),
+                      mixer="gdn", max_position_embeddings=max(2048, T),
                       mixer_options={"gdn": dict(head_dim=HEAD_DIM, expand_v=EXPAND_V, conv_size=4, chunk_size=OUR_CHUNK)})
     ours = DecoderLM(config)
     hf_config = Qwen3NextConfig(
@@ -115,7 +115,7 @@ def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
             opt.step()
         return step
 
-    models = {"ours, DecoderLM attention=gdn": ours, "transformers Qwen3NextForCausalLM, all linear_attention": hf}
+    models = {"ours, DecoderLM mixer=gdn": ours, "transformers Qwen3NextForCausalLM, all linear_attention": hf}
     try:
         steps = {name: train_step(m) for name, m in models.items()}
         timed = interleaved(steps, rounds, iters)

@@ -10,7 +10,7 @@ Model: fwd+bwd+AdamW tokens/s, batch 8 x 256, vocab 512, d 256, 4 layers, state 
   - ours, mamba2-only: Embedding, 4 x [x + Mamba2(RMSNorm(x))], RMSNorm, tied head: transformers'
     Mamba2ForCausalLM architecture from our blocks, loaded with its weights (logits checked to agree);
   - transformers Mamba2ForCausalLM (torch path), the peer;
-  - ours, DecoderLM attention=mamba2, as the project builds it (adds a SwiGLU FFN per layer: ~2x the
+  - ours, DecoderLM mixer=mamba2, as the project builds it (adds a SwiGLU FFN per layer: ~2x the
     FLOPs, so its tokens/s is not comparable; its GFLOP/s is).
 Timings are interleaved rounds, median; GFLOP/s against the fp32 matmul peak of the same run.
 """
@@ -91,7 +91,7 @@ class Mamba2Stack(nn.Module):
 def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
     torch.manual_seed(0)
     options = {"mamba2": dict(expand=2, head_dim=HEAD_DIM, state_size=STATE, n_groups=1, conv_size=4, chunk_size=CHUNK)}
-    config = LMConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, attention="mamba2",
+    config = LMConfig(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, mixer="mamba2",
                       mixer_options=options, max_position_embeddings=max(2048, T))
     hf_config = Mamba2Config(vocab_size=VOCAB, hidden_size=D, num_hidden_layers=LAYERS, num_heads=HEADS,
                              head_dim=HEAD_DIM, expand=2, state_size=STATE, n_groups=1, conv_kernel=4,
@@ -121,7 +121,7 @@ def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
     models = {
         "ours, mamba2-only (transformers' architecture)": (stack, stack_loss, stack.flops_per_token(T)),
         "transformers Mamba2ForCausalLM (torch path)": (hf, lambda m: m(ids, labels=ids).loss, stack.flops_per_token(T)),
-        "ours, DecoderLM attention=mamba2 (+ SwiGLU)": (lm, lambda m: m(ids, labels=ids).loss, lm.flops_per_token(T)),
+        "ours, DecoderLM mixer=mamba2 (+ SwiGLU)": (lm, lambda m: m(ids, labels=ids).loss, lm.flops_per_token(T)),
     }
     timed = interleaved({k: train_step(m, loss) for k, (m, loss, _) in models.items()}, rounds, iters)
     peer = timed["transformers Mamba2ForCausalLM (torch path)"]

@@ -10,7 +10,7 @@
    val split, as EOS + its tokens in windows of 256 (each window sees only its own document's
    earlier tokens in that window); bits per byte = total nats over the documents' tokens / ln 2 /
    their UTF-8 bytes, which does not depend on the tokenizer.
-Then (unless --quick) the gdn, mamba2 and moe variants of the default (`attention=gdn`, ...), each
+Then (unless --quick) the gdn, mamba2 and moe variants of the default (`mixer=gdn`, ...), each
 with the default's step budget, scored the same way beside their own wall time.
 """
 import json
@@ -30,7 +30,7 @@ from scripts.benchmarks.common import markdown_table
 ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / "outputs" / "bench" / "recipe"
 SEQ_LEN = 256
-VARIANTS = {"gdn": ["attention=gdn"], "mamba2": ["attention=mamba2"], "moe": ["ffn=moe"]}
+VARIANTS = {"gdn": ["mixer=gdn"], "mamba2": ["mixer=mamba2"], "moe": ["ffn=moe"]}
 
 PEER = textwrap.dedent('''
     import json, math, sys, time

@@ -22,7 +22,7 @@ def train_step(name: str, T: int, tokens: int):
     """fwd+bwd of a fresh 2-layer model with `name` mixers on (tokens / T) x T random ids."""
     torch.manual_seed(0)
     config = LMConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
-                      attention=name, max_position_embeddings=T)
+                      mixer=name, max_position_embeddings=T)
     model = DecoderLM(config).train()
     ids = torch.randint(0, 512, (tokens // T, T))
 

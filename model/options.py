@@ -1,0 +1,54 @@
+"""Block options. A block with options declares them once, as a dataclass in its own file (the class
+attribute `Options` of the block, fields built with `option`); `parse_options` builds it from a
+config's dict and is the one place its values are checked. Hydra reads the same dataclasses
+(training/config.py stores them as the schema of configs/mixer/*.yaml and configs/ffn/*.yaml
+`options`), and LMConfig keeps them as plain dicts, as config.json stores them.
+
+Checks that need the model's config (a head count dividing a width) stay in the block, with the
+message `bad_option` writes."""
+import dataclasses
+import typing
+
+
+def option(default, *, choices: tuple | None = None, at_least: float | None = None, above: float | None = None):
+    """A dataclass field: its default and its valid values (one of `choices`, or a number >= at_least / > above)."""
+    return dataclasses.field(default=default, metadata={"choices": choices, "at_least": at_least, "above": above})
+
+
+def bad_option(block: str, name: str, value, valid: str) -> ValueError:
+    return ValueError(f"{block} {name}={value!r}; valid: {valid}")
+
+
+def parse_options(block: str, options_class, given: dict | None):
+    """options_class(**given) after checking every given name and value; a bad one is a ValueError of one line."""
+    given = dict(given or {})
+    fields = dataclasses.fields(options_class)
+    unknown = sorted(set(given) - {f.name for f in fields})
+    if unknown:
+        raise ValueError(f"unknown {block} option(s) {unknown}; valid: {', '.join(f.name for f in fields)}")
+    annotations = typing.get_type_hints(options_class)
+    for f in fields:
+        if f.name in given:
+            _check(block, f, annotations[f.name], given[f.name])
+    return options_class(**given)
+
+
+def _check(block: str, f: dataclasses.Field, annotation, value) -> None:
+    allowed = typing.get_args(annotation) or (annotation,)  # int | None -> (int, NoneType)
+    nullable = type(None) in allowed
+    if value is None and nullable:
+        return
+    kind = next(t for t in allowed if t is not type(None))
+    choices, at_least, above = f.metadata.get("choices"), f.metadata.get("at_least"), f.metadata.get("above")
+    if choices is not None:
+        if value not in choices:
+            raise ValueError(f"unknown {block} {f.name} {value!r}; valid: {', '.join(map(str, choices))}")
+        return
+    # bool is an int to Python, not to a config; an int is a valid float
+    ok = isinstance(value, bool) if kind is bool else (
+        isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool))
+    ok = ok and (at_least is None or value >= at_least) and (above is None or value > above)
+    if not ok:
+        valid = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        valid += f" >= {at_least}" if at_least is not None else f" > {above}" if above is not None else ""
+        raise bad_option(block, f.name, value, valid + (" or null" if nullable else ""))
