@@ -227,3 +227,24 @@ def run(quick: bool) -> str:
                                f"{b * 2048 / model_tok_s:.0f}x"] for mask, b in loader.items()]), "",
               f"(default model, fwd+bwd+AdamW at batch 8 x 256: {model_tok_s:,.0f} tokens/s in this run)"]
     return "\n".join(report)
+
+
+def prepare_ours(sizes_mb: list[int]) -> str:
+    """Our preparation alone on the generated corpora of these sizes (MB): wall time, peak RSS and
+    peak anonymous memory of the preparing process, to show what does and does not grow with the corpus."""
+    rows = []
+    for mb in sizes_mb:
+        corpus = make_corpus(WORK / f"corpus_{mb}MB", mb * 1_000_000)
+        with tempfile.TemporaryDirectory(dir=WORK) as tmp:
+            r = run_script(OURS, str(corpus), str(WORK / "tokenizer"), str(Path(tmp) / "ours"), str(ROOT),
+                           hf_cache=Path(tmp) / "hf")
+        rows.append([f"{mb} MB", f"{r['seconds']:.1f}", f"{r['rss_main_mb']:.0f}", f"{r['anon_main_mb']:.0f}",
+                     f"{r['rss_worker_mb']:.0f}", f"{r['tokens']:,}"])
+    from scripts.benchmarks.common import markdown_table
+
+    return markdown_table(["corpus", "wall s", "peak RSS main MB", "of it anonymous MB", "peak RSS worker MB", "tokens"], rows)
+
+
+if __name__ == "__main__":
+    # python -m scripts.benchmarks.data 5 50 500   (after one `python scripts/bench.py data`, which writes the tokenizer)
+    print(prepare_ours([int(a) for a in sys.argv[1:]]))
