@@ -7,7 +7,6 @@ finish() evaluates, exports <run_dir>/final as an HF model directory, plots and 
 """
 import json
 import math
-import secrets
 import sys
 import time
 from dataclasses import dataclass
@@ -81,6 +80,7 @@ def setup(cfg: DictConfig) -> Run:
     from data import build_data
     from model import DecoderLM
     from training import checkpoint as ckpt
+    from training.metrics import init_wandb
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
     from training.perf import device_peak
 
@@ -151,7 +151,7 @@ def setup(cfg: DictConfig) -> Run:
               flops_per_token=3 * lm.flops_per_token(tc.seq_len),
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
               step=0, t_origin=t_start, last_ckpt=None)
-    resume_from = resolve_resume_on_main(accelerator, cfg.resume, run_dir)
+    resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
     if resume_from is not None:
         saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler)
         run.step, run.last_ckpt = saved["step"], resume_from
@@ -164,49 +164,6 @@ def setup(cfg: DictConfig) -> Run:
         f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}")
     accelerator.print(run.peak.describe())
     return run
-
-
-def resolve_resume_on_main(accelerator, resume: str | None, run_dir: Path) -> Path | None:
-    """The checkpoint to resume from, verified once by the main process (ckpt.resolve_resume);
-    every rank gets its answer, or its error."""
-    from accelerate.utils import broadcast_object_list
-
-    from training.checkpoint import resolve_resume
-
-    answer = [None]
-    if accelerator.is_main_process:
-        try:
-            answer = [("ok", resolve_resume(resume, run_dir, warn=print))]
-        except FileNotFoundError as e:
-            answer = [("error", str(e))]
-    broadcast_object_list(answer)
-    kind, value = answer[0]
-    if kind == "error":
-        raise FileNotFoundError(value)
-    return value
-
-
-def init_wandb(accelerator, cfg: DictConfig, run_dir: Path, counts: dict) -> None:
-    """One W&B run per training run: its id is kept in <run_dir>/wandb_run_id, and a resumed run
-    continues it (resume="allow")."""
-    from accelerate.utils import broadcast_object_list
-
-    from training.metrics import wandb_mode
-
-    id_file = run_dir / "wandb_run_id"
-    run_id = [None]
-    if accelerator.is_main_process:
-        if not id_file.exists():
-            id_file.write_text(secrets.token_hex(4))  # the shape of W&B's own ids: 8 lowercase characters
-        run_id = [id_file.read_text().strip()]
-    broadcast_object_list(run_id)
-    arch = {"mixer": OmegaConf.to_container(cfg.model.mixer) if cfg.model.mixer else cfg.mixer.name,
-            "ffn": OmegaConf.to_container(cfg.model.ffn) if cfg.model.ffn else cfg.ffn.name, "size": cfg.model.size}
-    accelerator.init_trackers(
-        cfg.logger.project, config={**OmegaConf.to_container(cfg, resolve=True), "params": counts, "arch": arch},
-        init_kwargs={"wandb": {"name": f"{cfg.name}-{run_dir.name}", "group": cfg.logger.group, "id": run_id[0],
-                               "resume": "allow", "dir": str(run_dir), "mode": wandb_mode(cfg.logger.mode),
-                               "tags": [str(arch["mixer"]), str(arch["ffn"]), str(arch["size"]), *cfg.logger.tags]}})
 
 
 def train_step(run: Run) -> tuple[float, dict, float]:
@@ -272,7 +229,7 @@ def train(cfg: DictConfig) -> float:
 
     from training.checkpoint import StopFlag
     from training.metrics import Meter, MetricsWriter
-    from training.perf import ContentionMonitor, peak_memory_gb, recheck_peak
+    from training.perf import ContentionMonitor
 
     run = setup(cfg)
     a, tc = run.accelerator, cfg.trainer
@@ -299,17 +256,7 @@ def train(cfg: DictConfig) -> float:
         step, last = run.step, run.step == tc.max_steps
         log = {}
         if step % tc.log_every == 0 or last:
-            log.update(meter.row(run.tokens_per_step, run.flops_per_token))
-            achieved = log["perf/tflops"] * 1e12 / a.num_processes  # per device
-            if (peak := recheck_peak(run.peak, achieved)) is not run.peak:
-                run.peak = peak
-                a.print(peak.describe())
-            if run.peak.flops:
-                log["perf/mfu"] = achieved / run.peak.flops
-            if contention and (warning := contention.after_window(log["perf/tokens_per_sec"])):
-                bar.write(warning)
-            log.update({"lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
-                        "perf/peak_mem_gb": peak_memory_gb(a.device), "time/elapsed": time.time() - run.t_origin})
+            log.update(window_log(run, meter, grad_norm, contention, bar))
         if step % tc.eval_every == 0 or last:
             log.update(evaluate(run))
             if a.is_main_process:
@@ -327,6 +274,26 @@ def train(cfg: DictConfig) -> float:
             return float("nan")
     bar.close()
     return finish(run, log)
+
+
+def window_log(run: Run, meter, grad_norm: float, contention, bar) -> dict:
+    """The logging window's row (the Meter's loss and throughput), with MFU against the device's
+    peak (re-measured if it was exceeded), lr, gradient norm, memory and elapsed time; a CPU
+    contention warning, once."""
+    from training.perf import peak_memory_gb, recheck_peak
+
+    a = run.accelerator
+    log = meter.row(run.tokens_per_step, run.flops_per_token)
+    achieved = log["perf/tflops"] * 1e12 / a.num_processes  # per device
+    if (peak := recheck_peak(run.peak, achieved)) is not run.peak:
+        run.peak = peak
+        a.print(peak.describe())
+    if run.peak.flops:
+        log["perf/mfu"] = achieved / run.peak.flops
+    if contention and (warning := contention.after_window(log["perf/tokens_per_sec"])):
+        bar.write(warning)
+    return {**log, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+            "perf/peak_mem_gb": peak_memory_gb(a.device), "time/elapsed": time.time() - run.t_origin}
 
 
 def finish(run: Run, last_log: dict) -> float:

@@ -230,3 +230,21 @@ def load_matching_weights(model: torch.nn.Module, path: str | Path) -> dict[str,
         "unused": sorted(k for k in source if k not in own and k not in tied),
         "shape_mismatch": sorted(k for k in source if k in own and own[k].shape != source[k].shape),
     }
+
+
+def resolve_resume_on_main(accelerator, resume: str | None, run_dir: Path) -> Path | None:
+    """The checkpoint to resume from, verified once by the main process (resolve_resume);
+    every rank gets its answer, or its error."""
+    from accelerate.utils import broadcast_object_list
+
+    answer = [None]
+    if accelerator.is_main_process:
+        try:
+            answer = [("ok", resolve_resume(resume, run_dir, warn=print))]
+        except FileNotFoundError as e:
+            answer = [("error", str(e))]
+    broadcast_object_list(answer)
+    kind, value = answer[0]
+    if kind == "error":
+        raise FileNotFoundError(value)
+    return value

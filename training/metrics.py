@@ -5,6 +5,7 @@ import json
 import math
 import netrc
 import os
+import secrets
 from pathlib import Path
 
 import torch
@@ -83,3 +84,25 @@ class Meter:
                **{k: v / n for k, v in self.aux.items()}}
         self.__init__()
         return out
+
+
+def init_wandb(accelerator, cfg, run_dir: Path, counts: dict) -> None:
+    """One W&B run per training run: its id is kept in <run_dir>/wandb_run_id, and a resumed run
+    continues it (resume="allow")."""
+    from accelerate.utils import broadcast_object_list
+    from omegaconf import OmegaConf
+
+    id_file = run_dir / "wandb_run_id"
+    run_id = [None]
+    if accelerator.is_main_process:
+        if not id_file.exists():
+            id_file.write_text(secrets.token_hex(4))  # the shape of W&B's own ids: 8 lowercase characters
+        run_id = [id_file.read_text().strip()]
+    broadcast_object_list(run_id)
+    arch = {"mixer": OmegaConf.to_container(cfg.model.mixer) if cfg.model.mixer else cfg.mixer.name,
+            "ffn": OmegaConf.to_container(cfg.model.ffn) if cfg.model.ffn else cfg.ffn.name, "size": cfg.model.size}
+    accelerator.init_trackers(
+        cfg.logger.project, config={**OmegaConf.to_container(cfg, resolve=True), "params": counts, "arch": arch},
+        init_kwargs={"wandb": {"name": f"{cfg.name}-{run_dir.name}", "group": cfg.logger.group, "id": run_id[0],
+                               "resume": "allow", "dir": str(run_dir), "mode": wandb_mode(cfg.logger.mode),
+                               "tags": [str(arch["mixer"]), str(arch["ffn"]), str(arch["size"]), *cfg.logger.tags]}})
