@@ -6,16 +6,12 @@ a per-position loss curve (PNG), generation samples and decode tokens/s; all wri
     python scripts/evaluate.py checkpoint=outputs/<run>/checkpoints/step_0000100   # a mid-run checkpoint
 """
 import json
-import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import hydra  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="evaluate")

@@ -20,19 +20,17 @@
 """
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from model import DecoderLM
+from model.mixers.softmax import SoftmaxAttention
+from model.ops.gated_delta import derived_gated_delta_rule
+from model.registry import MIXERS
 
-from model import DecoderLM  # noqa: E402
-from model.mixers.softmax import SoftmaxAttention  # noqa: E402
-from model.ops.gated_delta import derived_gated_delta_rule  # noqa: E402
-from model.registry import MIXERS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SCALES = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
 METHODS = ["VaLA", "derived GDN (exact)", "derived GDN (clamp_ktil)"]

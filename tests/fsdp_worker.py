@@ -14,11 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from model import DecoderLM, LMConfig  # noqa: E402
-from training.checkpoint import checkpoint_problem, export_final, load_checkpoint, save_checkpoint  # noqa: E402
+from model import DecoderLM, LMConfig
+from training.checkpoint import checkpoint_problem, export_final, load_checkpoint, save_checkpoint
 
 CONFIG = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, attention=["softmax", "gdn"], ffn="moe")
