@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
+from model.ops.kernels import accumulation_dtype
+
 
 class AuxCollector:
     """The one channel through which blocks report extra losses and metrics during a forward.
@@ -52,7 +54,7 @@ class AuxCollector:
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """x in fp32 (half inputs) or its own dtype (fp32, fp64): where norms and gates compute."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(accumulation_dtype(x.dtype))
 
 
 class DocumentSegments:
