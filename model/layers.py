@@ -185,10 +185,9 @@ class ShortConv(nn.Module):
     kernel - 1 tokens of each segment have any).
     """
 
-    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: bool = True):
+    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False):
         super().__init__()
         self.kernel_size = kernel_size
-        self.activation = activation
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias,
                               padding=0)
 
@@ -208,7 +207,7 @@ class ShortConv(nn.Module):
             b, t, lag = segments.conv_crossings(W)
             leak = x[b, t - lag] * self.conv.weight[:, 0, :].T[W - 1 - lag]
             y = y.index_put((b, t), -leak, accumulate=True)
-        return F.silu(y) if self.activation else y
+        return F.silu(y)
 
 
 def residual_scale(config) -> float:

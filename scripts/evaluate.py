@@ -27,6 +27,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from common.files import written_then_renamed
     from data import build_data
     from training.checkpoint import load_lm, weights_dir
     from training.evaluation import evaluate_split, sample, summarize
@@ -70,9 +71,8 @@ def evaluate(cfg: DictConfig) -> dict:
     fig.tight_layout()
     fig.savefig(out / "per_position_loss.png", dpi=120)
     plt.close(fig)
-    tmp = out / "eval.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(out / "eval.json")
+    with written_then_renamed(out / "eval.json") as tmp:
+        tmp.write_text(json.dumps(report, indent=1))
     print(f"val loss {report['val/loss']:.4f} | ppl {report['val/ppl']:.2f}"
           + (f" | bpb {report['val/bpb']:.4f}" if "val/bpb" in report else "")
           + (f" | decode {report['decode_tokens_per_sec']:.0f} tok/s" if "decode_tokens_per_sec" in report else ""))

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from common.files import written_then_renamed
+
 
 @dataclass(frozen=True)
 class GpuPeak:
@@ -177,9 +179,8 @@ def cpu_peak(remeasure: bool = False) -> Peak:
             entry = {"flops": flops, "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
             cache[key] = entry
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
+            with written_then_renamed(path) as tmp:
+                tmp.write_text(json.dumps(cache, indent=1))
             peak = Peak(flops, f"{what}, measured now ({load}), cached in {path}", "cpu")
         else:
             peak = Peak(flops, f"{what}, measured now ({load}: not cached, MFU may read high)", "cpu")

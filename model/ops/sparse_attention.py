@@ -28,7 +28,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from model.ops.kernels import accumulation_dtype
+from model.ops.kernels import accumulation_dtype, repeat_heads
 
 logger = logging.getLogger(__name__)
 
@@ -434,11 +434,11 @@ def naive_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, in
     """Dense masked einsum, O(T S d): the attention both paths compute, through a [B, T, S] mask
     (differentiable, so the paths' gradients are checked against it too)."""
     B, T, H, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
+    S = k.shape[1]
     # Empty slots scatter into an extra column that is dropped.
     selected = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
     selected = selected.scatter(-1, indices.masked_fill(indices < 0, S), True)[..., :S]
-    k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
+    k, v = repeat_heads(k, H), repeat_heads(v, H)
     s = torch.einsum("bthd,bshd->bhts", q, k) * _scale(q, scale)
     p = s.masked_fill(~selected[:, None], float("-inf")).softmax(-1)
     return torch.einsum("bhts,bshd->bthd", p, v)

@@ -16,7 +16,7 @@ several sequences, each starting from a zero state.
 import torch
 import torch.nn.functional as F
 
-from model.ops.kernels import accumulation_dtype, optional_kernel
+from model.ops.kernels import accumulation_dtype, optional_kernel, repeat_heads
 from model.ops.linear_attention import chunk_scalar_decay
 
 
@@ -50,8 +50,7 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=No
     ct = xc.dtype
     kernel = optional_kernel("fla.ops.simple_gla", "chunk_simple_gla", x)
     if kernel is not None:  # its own chunk size (64); q, k, v in x's dtype, g and the state in fp32
-        rep = x.shape[2] // B.shape[2]
-        q, k = (t.repeat_interleave(rep, dim=2).to(x.dtype) for t in (C, B))
+        q, k = (repeat_heads(t, x.shape[2]).to(x.dtype) for t in (C, B))
         y, state = kernel(q, k, (xc * dt[..., None]).to(x.dtype), g=dt * A, scale=1.0,
                           initial_state=None if initial_states is None else initial_states.to(ct),
                           output_final_state=return_final_states, state_v_first=True,
@@ -70,9 +69,7 @@ def mamba_state_step(x, dt, A, B, C, state, D=None, z=None, dt_bias=None, dt_sof
     state [B, H, P, N]. Returns (y [B, H, P] in x's dtype, new state in the compute dtype)."""
     xc, dt, A = _discretise(x, dt, A, dt_bias, dt_softplus)
     ct = xc.dtype
-    heads_per_group = x.shape[1] // B.shape[1]
-    B = B.to(ct).repeat_interleave(heads_per_group, dim=1)  # [B, H, N]
-    C = C.to(ct).repeat_interleave(heads_per_group, dim=1)
+    B, C = (repeat_heads(t.to(ct), x.shape[1], dim=1) for t in (B, C))  # [B, H, N]
     # h = exp(dt A) h + (dt x) B^T;  y = h C
     state = state.to(ct) * (dt * A).exp()[..., None, None] + (dt[..., None] * xc)[..., None] * B[:, :, None, :]
     y = (state @ C[..., None]).squeeze(-1)
