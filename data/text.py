@@ -64,7 +64,7 @@ def stdlib_documents(cfg) -> tuple[list[str], list[str], str]:
 
 
 def stdlib_corpus(cfg) -> Corpus:
-    """The embedded default corpus (~12 MB: read into memory, then handed on as datasets)."""
+    """The embedded default corpus (small enough to read into memory, then handed on as datasets)."""
     import datasets
 
     train, val, fingerprint = stdlib_documents(cfg)

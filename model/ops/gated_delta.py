@@ -89,7 +89,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
 
     Forward: u = inv (beta v), w = inv (beta k e^G), inv = (I + strictLower(Gamma o diag(beta) K K^T))^-1;
     per chunk vnew = u - w S, S <- e^{G_C} S + kd^T vnew; then o = scale [(q e^G) S + (Gamma o Q K^T) vnew].
-    Backward by hand (autograd through the same graph measured ~1.3x slower on CPU): the matmuls reversed, the
+    Backward by hand (faster on CPU than autograd through the same graph): the matmuls reversed, the
     state gradient in one reverse loop, and d inv folded into dA = -strictLower(inv^T [du | dw] [u | w]^T).
     resets [N] bool (or None): chunk n ignores the state entering it (its e^G is zeroed, so q e^G S_n,
     w S_n and e^{G_C} S_n vanish, in backward too); the second output is then S_ends [len(ends), B H, K, V].
@@ -222,7 +222,7 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
 
     Along ktil_t the transition has eigenvalue 1 - (1 + |ktil_t|^2)/t, which amplifies the state when
     |ktil_t|^2 > 2t - 1. clamp_ktil=True rescales ktil_t (in both its uses) to |ktil_t|^2 <= 2t - 1 so that
-    no step amplifies; False is (3) exactly.
+    no step amplifies; False is the recursion above exactly.
 
     State (initial_state / returned): dict with A [B, H, K, V] (A_t transposed, the gated-delta h),
     k_sum [B, H, K] and v_sum [B, H, V] (running sums of scaled keys and of values), t (int, tokens seen).
