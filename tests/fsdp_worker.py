@@ -1,6 +1,6 @@
 """Worker for tests/test_distributed.py::test_fsdp_export_and_checkpoint_round_trip, launched with
-`torchrun --nproc_per_node 2` on CPU (gloo): a tiny DecoderLM sharded with torch's FSDP2
-(fully_shard per Block and at the root) trains two steps, then
+`torchrun --nproc_per_node 2 -m tests.fsdp_worker` from the repo root on CPU (gloo): a tiny DecoderLM
+sharded with torch's FSDP2 (fully_shard per Block and at the root) trains two steps, then
 1. exports final/ through training.checkpoint.export_final (every rank joins the gather);
 2. checkpoints through save_checkpoint (DCP shards), trains a third step, and
 3. loads the checkpoint into a fresh sharded model + optimizer and retrains that third step.
