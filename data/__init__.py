@@ -6,7 +6,8 @@
 Sources (cfg.data.name): `stdlib` (the default embedded corpus: this Python's standard library
 source), `hf` (any hub dataset), `local` (.txt/.jsonl/.parquet files), `mqar` (synthetic recall).
 """
-from data.types import Data, Split
 from data.registry import DATASETS, build_data
+from data.types import Data, Split
+from data import mqar, text  # noqa: F401  (importing a source module registers it)
 
 __all__ = ["Data", "Split", "DATASETS", "build_data"]

@@ -13,11 +13,13 @@ At train time `TokenWindows` serves fixed-length windows of the flat stream (blo
 is on: resident memory does not grow with the corpus.
 """
 import json
-import os
 import shutil
 from pathlib import Path
+
 import numpy as np
 import torch
+
+from common.files import rename_into_place, temp_path
 
 STORE_VERSION = 1
 
@@ -51,7 +53,7 @@ class StoreWriter:
     def __init__(self, folder: Path, vocab_size: int, info: dict):
         self.folder, self.info = folder, info
         self.dtype = token_dtype(vocab_size)
-        self.tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
+        self.tmp = temp_path(folder)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self.tmp.mkdir(parents=True)
         self.tokens = (self.tmp / "tokens.bin").open("wb")
@@ -78,9 +80,7 @@ class StoreWriter:
         meta = {"version": STORE_VERSION, "dtype": np.dtype(self.dtype).name, "num_tokens": self.num_tokens,
                 "num_documents": self.num_documents, "utf8_bytes": self.utf8_bytes, **self.info}
         (self.tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if self.folder.exists():
-            shutil.rmtree(self.folder)
-        os.replace(self.tmp, self.folder)
+        rename_into_place(self.tmp, self.folder)
         return TokenStore(self.folder)
 
     def abort(self) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
+from common.files import written_then_renamed
 from data.registry import DATASETS
 from data.store import STORE_VERSION, StoreWriter, TokenStore, TokenWindows, store_problem
 from data.types import Data
@@ -63,7 +64,7 @@ def stdlib_documents(cfg) -> tuple[list[str], list[str], str]:
 
 
 def stdlib_corpus(cfg) -> Corpus:
-    """The embedded default corpus (~12 MB: read into memory, then handed on as datasets)."""
+    """The embedded default corpus (small enough to read into memory, then handed on as datasets)."""
     import datasets
 
     train, val, fingerprint = stdlib_documents(cfg)
@@ -168,12 +169,8 @@ def build_tokenizer(cfg, corpus: Corpus, cache: Path):
         )
         bpe.train_from_iterator(text_batches(corpus.train, corpus.column, sample), trainer=trainer)
         tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token=EOS, bos_token=EOS, unk_token=None)
-        tmp = folder.with_name(f"{key}.tmp{os.getpid()}")
-        tok.save_pretrained(tmp)
-        if folder.exists():  # another process finished first
-            shutil.rmtree(tmp)
-        else:
-            os.replace(tmp, folder)
+        with written_then_renamed(folder, keep_existing=True) as tmp:  # kept: another process finished first
+            tok.save_pretrained(tmp)
     return PreTrainedTokenizerFast.from_pretrained(folder)
 
 

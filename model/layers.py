@@ -16,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
+from model.ops.kernels import accumulation_dtype
+
 
 class AuxCollector:
     """The one channel through which blocks report extra losses and metrics during a forward.
@@ -52,7 +54,7 @@ class AuxCollector:
 
 def at_least_fp32(x: torch.Tensor) -> torch.Tensor:
     """x in fp32 (half inputs) or its own dtype (fp32, fp64): where norms and gates compute."""
-    return x.to(torch.promote_types(x.dtype, torch.float32))
+    return x.to(accumulation_dtype(x.dtype))
 
 
 class DocumentSegments:
@@ -183,10 +185,9 @@ class ShortConv(nn.Module):
     kernel - 1 tokens of each segment have any).
     """
 
-    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False, activation: bool = True):
+    def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False):
         super().__init__()
         self.kernel_size = kernel_size
-        self.activation = activation
         self.conv = nn.Conv1d(channels, channels, kernel_size, groups=channels, bias=bias,
                               padding=0)
 
@@ -206,7 +207,7 @@ class ShortConv(nn.Module):
             b, t, lag = segments.conv_crossings(W)
             leak = x[b, t - lag] * self.conv.weight[:, 0, :].T[W - 1 - lag]
             y = y.index_put((b, t), -leak, accumulate=True)
-        return F.silu(y) if self.activation else y
+        return F.silu(y)
 
 
 def residual_scale(config) -> float:

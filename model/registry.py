@@ -1,28 +1,6 @@
 """Name -> class registries for sequence mixers and FFNs. A new block is one file that
 decorates its class with `@MIXERS.register("name")` (or FFNS) plus one config file."""
-
-
-class Registry:
-    def __init__(self, kind: str):
-        self.kind = kind
-        self._classes: dict[str, type] = {}
-
-    def register(self, name: str):
-        def wrap(cls):
-            if name in self._classes:
-                raise ValueError(f"{self.kind} {name!r} is registered twice")
-            self._classes[name] = cls
-            return cls
-
-        return wrap
-
-    def names(self) -> list[str]:
-        return sorted(self._classes)
-
-    def get(self, name: str) -> type:
-        if name not in self._classes:
-            raise ValueError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}")
-        return self._classes[name]
+from common.registry import Registry
 
 
 MIXERS = Registry("mixer")

@@ -11,13 +11,11 @@ report; the reports are printed and written to outputs/bench/<suite>.md.
 import argparse
 import importlib
 import pkgutil
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import scripts.benchmarks as benchmarks
 
-import scripts.benchmarks as benchmarks  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SUITES = sorted(m.name for m in pkgutil.iter_modules(benchmarks.__path__) if m.name != "common")
 

@@ -42,11 +42,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from training.plots import LOAD  # moe/layer<i>/load
+from training.metrics import read_metrics
 
-from training.plots import LOAD  # noqa: E402  (moe/layer<i>/load)
-from training.metrics import read_metrics  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 COLUMNS = ["run", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",
            "val_ppl", "val_bpb", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s", "moe_imbalance", "mqar_acc",

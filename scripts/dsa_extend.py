@@ -14,12 +14,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from training.metrics import read_metrics
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def final_val(run_dir: Path) -> dict:
-    rows = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines() if l.strip()]
-    return [r for r in rows if "val/loss" in r][-1]
+    return [r for r in read_metrics(run_dir) if "val/loss" in r][-1]
 
 
 def main() -> None:

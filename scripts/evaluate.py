@@ -6,16 +6,12 @@ a per-position loss curve (PNG), generation samples and decode tokens/s; all wri
     python scripts/evaluate.py checkpoint=outputs/<run>/checkpoints/step_0000100   # a mid-run checkpoint
 """
 import json
-import math
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import hydra  # noqa: E402
-import torch  # noqa: E402
-from omegaconf import DictConfig, OmegaConf  # noqa: E402
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
 
 
 @hydra.main(version_base="1.3", config_path="../configs", config_name="evaluate")
@@ -31,6 +27,7 @@ def evaluate(cfg: DictConfig) -> dict:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from common.files import written_then_renamed
     from data import build_data
     from training.checkpoint import load_lm, weights_dir
     from training.evaluation import evaluate_split, sample, summarize
@@ -74,9 +71,8 @@ def evaluate(cfg: DictConfig) -> dict:
     fig.tight_layout()
     fig.savefig(out / "per_position_loss.png", dpi=120)
     plt.close(fig)
-    tmp = out / "eval.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1))
-    tmp.replace(out / "eval.json")
+    with written_then_renamed(out / "eval.json") as tmp:
+        tmp.write_text(json.dumps(report, indent=1))
     print(f"val loss {report['val/loss']:.4f} | ppl {report['val/ppl']:.2f}"
           + (f" | bpb {report['val/bpb']:.4f}" if "val/bpb" in report else "")
           + (f" | decode {report['decode_tokens_per_sec']:.0f} tok/s" if "decode_tokens_per_sec" in report else ""))

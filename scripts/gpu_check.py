@@ -31,14 +31,13 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F
+
+from training.config import group_choices
+from training.perf import GPU_PEAKS, cpu_contention_warning, cpu_peak, cuda_fp32_precision, gpu_peak
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from training.config import group_choices  # noqa: E402
-from training.perf import GPU_PEAKS, cpu_contention_warning, cpu_peak, cuda_fp32_precision, gpu_peak  # noqa: E402
 
 MIXERS = group_choices("mixer")
 COMPILE_MIXERS = ("softmax", "gdn", "mamba2")  # one per kernel family (SDPA, fla GDN, fla simple GLA): compiling is slow

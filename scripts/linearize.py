@@ -1,11 +1,11 @@
 """Seed study: how well does softmax attention linearized into a gated delta rule (derived GDN,
-/model/ops/gated_delta.py derived_gated_delta_rule) approximate softmax attention?
+model/ops/gated_delta.py derived_gated_delta_rule) approximate softmax attention?
 
 (a) Approximation table (always): relative error ||o - o_softmax|| / ||o_softmax|| against exact causal
     softmax attention softmax(s q.k / sqrt(d)) v on the same q, k, v, as the logit scale s grows, for
     random keys and structured ones (clustered, drifting), of
       - VaLA, the plain first-order expansion: o_t = vbar_t + ((1/t) sum_i v_i k_i^T - vbar_t kbar_t^T) q_t,
-      - derived GDN, recursion (3) exactly, and with clamp_ktil (the derived_gdn mixer's default).
+      - derived GDN, its recursion exactly, and with clamp_ktil (the derived_gdn mixer's default).
     q and k carry (s / sqrt(d))^1/2 each in both linearizations. Writes a markdown table and a PNG.
 
 (b) Zero-shot linearization (--checkpoint DIR, a trained softmax DecoderLM): validation loss / perplexity
@@ -20,19 +20,19 @@
 """
 import argparse
 import math
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from data.types import Split
+from model import DecoderLM
+from model.mixers.softmax import SoftmaxAttention
+from model.ops.gated_delta import derived_gated_delta_rule
+from model.ops.kernels import repeat_heads
+from training.evaluation import evaluate_split
 
-from model import DecoderLM  # noqa: E402
-from model.mixers.softmax import SoftmaxAttention  # noqa: E402
-from model.ops.gated_delta import derived_gated_delta_rule  # noqa: E402
-from model.registry import MIXERS  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 SCALES = [0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
 METHODS = ["VaLA", "derived GDN (exact)", "derived GDN (clamp_ktil)"]
@@ -134,16 +134,15 @@ def plot(errors: dict, path: Path) -> None:
 
 
 # (b) zero-shot linearization ----------------------------------------------------------------------
-@MIXERS.register("vala")
 class VaLAAttention(SoftmaxAttention):
-    """Softmax attention's projections with the VaLA core (quadratic-time, evaluation only)."""
+    """Softmax attention's projections with the VaLA core (quadratic-time, evaluation only; not a
+    registered mixer: `with_vala` puts it into a loaded model)."""
 
     def core(self, q, k, v, cache, aux, segments=None):
         if cache is not None or segments is not None:
             raise ValueError("vala is an evaluation-only reference core; it keeps no decoding cache and "
                              "takes no document masking (position_ids)")
-        groups = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        k, v = repeat_heads(k, self.num_heads), repeat_heads(v, self.num_heads)
         return vala_attention(q.float(), k.float(), v.float(), self.head_dim ** -0.5).to(v.dtype)
 
 
@@ -162,15 +161,10 @@ def load_blocks(checkpoint_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(split.batch(torch.arange(len(split)))["input_ids"] for split in (data.train, data.val))
 
 
-@torch.no_grad()
 def evaluate(model: DecoderLM, blocks: torch.Tensor, batch_size: int) -> float:
-    model.eval()
-    total, count = 0.0, 0
-    for i in range(0, len(blocks), batch_size):
-        ids = blocks[i:i + batch_size]
-        total += model(ids, labels=ids).lm_loss.item() * ids[:, 1:].numel()
-        count += ids[:, 1:].numel()
-    return total / count
+    """Token-weighted mean loss over the blocks (no document masking: VaLA takes none)."""
+    sums = evaluate_split(model, Split(blocks), batch_size, None, torch.device("cpu"), None)
+    return (sums["loss_sum"] / sums["count"]).item()
 
 
 def swapped(checkpoint: Path, mixer: str, layers: list[int] | None, **mixer_options) -> DecoderLM:
@@ -181,6 +175,18 @@ def swapped(checkpoint: Path, mixer: str, layers: list[int] | None, **mixer_opti
                                             mixer_options={mixer: mixer_options})
     if info["missing_keys"] or info["unexpected_keys"]:
         raise ValueError(f"{mixer}: checkpoint does not load cleanly: {info}")
+    return model
+
+
+def with_vala(checkpoint: Path, layers: list[int] | None) -> DecoderLM:
+    """The checkpoint with the chosen layers' (default all) mixers replaced by VaLA cores over the same
+    projections, their weights moved over (strict: a softmax layer's parameters exactly)."""
+    model = DecoderLM.from_pretrained(checkpoint)
+    for i in range(len(model.layers)) if layers is None else layers:
+        block = model.layers[i]
+        vala = VaLAAttention(model.config, i)
+        vala.load_state_dict(block.mixer.state_dict())
+        block.mixer = vala
     return model
 
 
@@ -206,12 +212,12 @@ def linearization_table(args) -> str:
     layers = None if args.layers is None else [int(i) for i in args.layers.split(",")]
     which = "all layers" if layers is None else f"layers {layers}"
     rows = [["softmax (checkpoint)", evaluate(DecoderLM.from_pretrained(checkpoint), val, args.batch_size)]]
-    variants = [("derived_gdn (clamp_ktil)", "derived_gdn", {"clamp_ktil": True}),
-                ("derived_gdn (exact)", "derived_gdn", {"clamp_ktil": False}),
-                ("VaLA (same projections)", "vala", {}),
-                ("linear (elu+1, normalised)", "linear", {})]
-    for name, mixer, opts in variants:
-        rows.append([f"{name}, {which}", evaluate(swapped(checkpoint, mixer, layers, **opts), val, args.batch_size)])
+    variants = [("derived_gdn (clamp_ktil)", lambda: swapped(checkpoint, "derived_gdn", layers, clamp_ktil=True)),
+                ("derived_gdn (exact)", lambda: swapped(checkpoint, "derived_gdn", layers, clamp_ktil=False)),
+                ("VaLA (same projections)", lambda: with_vala(checkpoint, layers)),
+                ("linear (elu+1, normalised)", lambda: swapped(checkpoint, "linear", layers))]
+    for name, build in variants:
+        rows.append([f"{name}, {which}", evaluate(build(), val, args.batch_size)])
     if args.finetune_steps:
         model = swapped(checkpoint, "derived_gdn", layers, clamp_ktil=True)
         finetune(model, train, args.finetune_steps, args.lr, args.batch_size)

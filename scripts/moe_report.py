@@ -11,10 +11,7 @@ Nothing is written (and [] returned) when the run logged no MoE metrics.
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from training.plots import plot_moe_load  # noqa: E402
+from training.plots import plot_moe_load
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:

@@ -17,11 +17,10 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from data.mqar import build_mqar
+from model import DecoderLM, LMConfig
 
-from data.mqar import build_mqar  # noqa: E402
-from model import DecoderLM, LMConfig  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 BLOCKS = ("mamba2", "gdn", "derived_gdn", "softmax", "linear", "dsa")   # ours; transformers' beside mamba2 only
 

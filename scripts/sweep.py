@@ -36,7 +36,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 LAUNCHERS = ("accelerate", "python")
 MATCH = ("none", "active", "total")

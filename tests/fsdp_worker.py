@@ -1,6 +1,6 @@
 """Worker for tests/test_distributed.py::test_fsdp_export_and_checkpoint_round_trip, launched with
-`torchrun --nproc_per_node 2` on CPU (gloo): a tiny DecoderLM sharded with torch's FSDP2
-(fully_shard per Block and at the root) trains two steps, then
+`torchrun --nproc_per_node 2 -m tests.fsdp_worker` from the repo root on CPU (gloo): a tiny DecoderLM
+sharded with torch's FSDP2 (fully_shard per Block and at the root) trains two steps, then
 1. exports final/ through training.checkpoint.export_final (every rank joins the gather);
 2. checkpoints through save_checkpoint (DCP shards), trains a third step, and
 3. loads the checkpoint into a fresh sharded model + optimizer and retrains that third step.
@@ -14,11 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from model import DecoderLM, LMConfig  # noqa: E402
-from training.checkpoint import checkpoint_problem, export_final, load_checkpoint, save_checkpoint  # noqa: E402
+from model import DecoderLM, LMConfig
+from training.checkpoint import checkpoint_problem, export_final, load_checkpoint, save_checkpoint
 
 CONFIG = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=64, attention=["softmax", "gdn"], ffn="moe")

@@ -62,7 +62,7 @@ def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_c
         assert (p / "final" / "model.safetensors").exists() and list(p.glob("wandb/offline-run-*"))
         assert read_metrics(p)[-1]["tokens_seen"] == 4 * 4 * 64
 
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "compare.py"), str(sweep_dir), "--out", str(tmp_path / "r")],
+    proc = subprocess.run([sys.executable, "-m", "scripts.compare", str(sweep_dir), "--out", str(tmp_path / "r")],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader((tmp_path / "r" / "compare.csv").open()))

@@ -93,7 +93,7 @@ def test_fsdp_export_and_checkpoint_round_trip(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29561", str(ROOT / "tests" / "fsdp_worker.py"), str(tmp_path)],
+                           "--master_port", "29561", "-m", "tests.fsdp_worker", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())

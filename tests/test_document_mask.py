@@ -5,17 +5,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 from test_gated_delta import make_inputs as gdn_inputs
-from test_gated_delta import naive_derived, naive_gated_delta
 from test_linear_attention import make_inputs as linear_inputs
-from test_linear_attention import naive_linear_attn
 from test_ssd import make_inputs as ssd_inputs
-from test_ssd import naive_ssd
 
 from model import DecoderLM, LMConfig
 from model.layers import DocumentSegments
-from model.ops.gated_delta import chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule
-from model.ops.linear_attention import chunk_linear_attn
-from model.ops.ssd import mamba_chunk_scan
+from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
+                                   naive_derived_gated_delta, naive_gated_delta)
+from model.ops.linear_attention import chunk_linear_attn, naive_linear_attn
+from model.ops.ssd import mamba_chunk_scan, naive_ssd
 from model.ops.varlen import sequence_cumsum
 
 f64 = torch.float64
@@ -59,7 +57,7 @@ def test_derived_cu_seqlens_matches_restarted_recursion():
     q, k, v, *_ = gdn_inputs(B=1, T=37)
     leaves = {"q": q.requires_grad_(), "k": k.requires_grad_(), "v": v.requires_grad_()}
     def naive(**x):
-        o, (A, k_sum, v_sum, _) = naive_derived(**x, clamp=True)
+        o, (A, k_sum, v_sum, _) = naive_derived_gated_delta(**x, clamp=True)
         return o, A, k_sum, v_sum
 
     o_ref, (A_ref, k_sum_ref, v_sum_ref) = per_sequence(naive, CU, leaves)

@@ -16,32 +16,6 @@ def rand(*shape, g, dtype=F64, requires_grad=True):
     return torch.randn(*shape, generator=g, dtype=dtype).requires_grad_(requires_grad)
 
 
-def naive_index_scores(q_i, k_i, w):
-    """I[b, t, s] = sum_j w[b, t, j] relu(q_i[b, t, j] . k_i[b, s]) for s <= t, else -inf."""
-    B, T, H_I, _ = q_i.shape
-    out = torch.full((B, T, k_i.shape[1]), float("-inf"), dtype=q_i.dtype)
-    for b in range(B):
-        for t in range(T):
-            for s in range(t + 1):
-                out[b, t, s] = sum(w[b, t, j] * torch.relu(q_i[b, t, j] @ k_i[b, s]) for j in range(H_I))
-    return out
-
-
-def naive_sparse_attention(q, k, v, indices):
-    """o[b, t, h] = sum_{s in sel} softmax_s(q . k_s / sqrt(D)) v_s over the selected s (-1 = none)."""
-    B, T, H, D = q.shape
-    G = H // k.shape[2]
-    o = torch.zeros(B, T, H, v.shape[-1], dtype=q.dtype)
-    for b in range(B):
-        for t in range(T):
-            sel = [int(s) for s in indices[b, t] if s >= 0]
-            for h in range(H):
-                logits = torch.stack([q[b, t, h] @ k[b, s, h // G] for s in sel]) * D**-0.5
-                p = logits.softmax(0)
-                o[b, t, h] = sum(p[i] * v[b, s, h // G] for i, s in enumerate(sel))
-    return o
-
-
 def grads(out, inputs, g):
     return torch.autograd.grad((out * g).sum(), inputs)
 
@@ -67,13 +41,13 @@ def attention_inputs(B=2, T=13, H=4, Hkv=2, D=6, seed=1):
 
 def test_index_scores_match_formula(blocks):
     q_i, k_i, w = indexer_inputs()
-    torch.testing.assert_close(sa.index_scores(q_i, k_i, w), naive_index_scores(q_i, k_i, w))
+    torch.testing.assert_close(sa.index_scores(q_i, k_i, w), sa.naive_index_scores(q_i, k_i, w))
 
 
 @pytest.mark.parametrize("topk", [1, 5, 13, 20])
 def test_index_topk_selects_the_top_visible_keys(blocks, topk):
     q_i, k_i, w = indexer_inputs()
-    ref = naive_index_scores(q_i, k_i, w).detach()
+    ref = sa.naive_index_scores(q_i, k_i, w).detach()
     idx = sa.index_topk(q_i, k_i, w, topk)
     T = ref.shape[1]
     assert idx.shape == (2, T, min(topk, T))
@@ -93,7 +67,7 @@ def test_index_scores_at_match_dense_scores_values_and_grads(blocks):
     q_i, k_i, w = indexer_inputs()
     idx = sa.index_topk(q_i, k_i, w, 4)
     out = sa.index_scores_at(q_i, k_i, w, idx)
-    ref = naive_index_scores(q_i, k_i, w).gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
+    ref = sa.naive_index_scores(q_i, k_i, w).gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
     torch.testing.assert_close(out, ref)
     g = torch.randn(out.shape, dtype=F64).masked_fill(idx < 0, 0)
     finite = lambda x: x.masked_fill(idx < 0, 0)  # noqa: E731
@@ -109,9 +83,9 @@ PATHS = {"sparse": sa.sparse_attention, "masked": sa.masked_attention}
 def test_both_paths_match_dense_masked_reference_and_formula(blocks, path, Hkv, topk):
     q, k, v = attention_inputs(Hkv=Hkv)  # T = 13: no block or tile size divides it
     idx = sa.index_topk(*indexer_inputs(), topk)
-    out, ref = PATHS[path](q, k, v, idx), sa.sparse_attention_reference(q, k, v, idx)
+    out, ref = PATHS[path](q, k, v, idx), sa.naive_masked_attention(q, k, v, idx)
     torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(out, naive_sparse_attention(q, k, v, idx))
+    torch.testing.assert_close(out, sa.naive_sparse_attention(q, k, v, idx))
     g = torch.randn(out.shape, dtype=F64)
     for a, r in zip(grads(out, (q, k, v), g), grads(ref, (q, k, v), g)):
         torch.testing.assert_close(a, r)
@@ -124,7 +98,7 @@ def test_both_paths_for_queries_after_a_prefix(blocks, path):
     q_i, k_i, w = indexer_inputs()
     idx = sa.index_topk(q_i[:, 6:], k_i, w[:, 6:], 4, offset=6)
     q = q[:, 6:].detach().requires_grad_()
-    out, ref = PATHS[path](q, k, v, idx), sa.sparse_attention_reference(q, k, v, idx)
+    out, ref = PATHS[path](q, k, v, idx), sa.naive_masked_attention(q, k, v, idx)
     torch.testing.assert_close(out, ref)
     g = torch.randn(out.shape, dtype=F64)
     for a, r in zip(grads(out, (q, k, v), g), grads(ref, (q, k, v), g)):
@@ -163,7 +137,7 @@ def test_selected_attention_runs_the_chosen_path(monkeypatch, path):
         monkeypatch.setattr(sa, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
     o, p = sa.selected_attention(q, k, v, sel, with_probs=True)
     assert ran == ["sparse_attention_with_probs" if path == "sparse" else "masked_attention"]
-    torch.testing.assert_close(o, sa.sparse_attention_reference(q, k, v, sel.indices))
+    torch.testing.assert_close(o, sa.naive_masked_attention(q, k, v, sel.indices))
     torch.testing.assert_close(p, sa.selected_attention_probs(q, k, sel))
 
 
@@ -195,7 +169,7 @@ def test_sparse_attention_fp32_accumulation_for_bf16_inputs():
     idx = sa.index_topk(*indexer_inputs(), 4)
     out = sa.sparse_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), idx)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), sa.sparse_attention_reference(q, k, v, idx), atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(out.double(), sa.naive_masked_attention(q, k, v, idx), atol=3e-2, rtol=3e-2)
 
 
 def test_ops_keep_fp32_under_autocast():

@@ -3,50 +3,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule,
-                                   fused_recurrent_gated_delta_rule)
+from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
+                                   naive_derived_gated_delta, naive_gated_delta)
 
 f64 = torch.float64
-
-
-def naive_gated_delta(q, k, v, g, beta, scale=None, h=None):
-    """h = h exp(g_t); u = beta_t (v_t - h^T k_t); h = h + k_t u^T; o_t = h^T (scale q_t)."""
-    B, T, H, K = k.shape
-    scale = K ** -0.5 if scale is None else scale
-    h = q.new_zeros(B, H, K, v.shape[-1]) if h is None else h
-    out = []
-    for t in range(T):
-        h = h * g[:, t, :, None, None].exp()
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", h, k[:, t]))
-        h = h + k[:, t, :, :, None] * u[:, :, None, :]
-        out.append(torch.einsum("bhkv,bhk->bhv", h, scale * q[:, t]))
-    return torch.stack(out, 1), h
-
-
-def naive_derived(q, k, v, scale=None, clamp=False, state=None):
-    """Recursion (3), S_t = A_t in [V, K]:  ktil_t = k_t - kbar_t, vtil_t = v_t - vbar_{t-1},
-    A_t = A_{t-1} ((1 - 1/t) I - (1/t) ktil ktil^T) + (1/t) vtil ktil^T, o_t = A_t q_t + vbar_t;
-    q, k times scale^1/2 (default d^-1/4 each). clamp: ktil scaled to |ktil|^2 <= 2t - 1."""
-    B, T, H, K = k.shape
-    s = (K ** -0.5 if scale is None else scale) ** 0.5
-    q, k = q * s, k * s
-    if state is None:
-        state = (q.new_zeros(B, H, v.shape[-1], K), q.new_zeros(B, H, K), q.new_zeros(B, H, v.shape[-1]), 0)
-    A, k_sum, v_sum, t0 = state
-    eye = torch.eye(K, dtype=q.dtype)
-    out = []
-    for i in range(T):
-        t = t0 + i + 1
-        k_sum = k_sum + k[:, i]
-        ktil = k[:, i] - k_sum / t
-        if clamp:
-            ktil = ktil / torch.maximum(torch.ones(()), ktil.pow(2).sum(-1, keepdim=True) / (2 * t - 1)).sqrt()
-        vtil = v[:, i] - (v_sum / (t - 1) if t > 1 else 0)
-        v_sum = v_sum + v[:, i]
-        A = A @ ((1 - 1 / t) * eye - ktil[..., :, None] * ktil[..., None, :] / t) \
-            + vtil[..., :, None] * ktil[..., None, :] / t
-        out.append((A @ q[:, i, ..., None])[..., 0] + v_sum / t)
-    return torch.stack(out, 1), (A, k_sum, v_sum, t0 + T)
 
 
 def make_inputs(B=2, T=37, H=3, K=8, V=6, dtype=f64, seed=0):
@@ -132,7 +92,7 @@ def test_low_precision_input_accumulates_in_fp32():
 @pytest.mark.parametrize("scale", [None, 1.0, 0.1])
 def test_derived_matches_recursion(scale):
     q, k, v = (x * 2 for x in make_inputs(T=45, K=8, V=8)[:3])  # starts at t = 1
-    o_ref, (A, k_sum, v_sum, t) = naive_derived(q, k, v, scale=scale)
+    o_ref, (A, k_sum, v_sum, t) = naive_derived_gated_delta(q, k, v, scale=scale)
     o, state = derived_gated_delta_rule(q, k, v, scale=scale, output_final_state=True)
     torch.testing.assert_close(o, o_ref, rtol=1e-9, atol=1e-9)
     torch.testing.assert_close(o[:, 0], v[:, 0])  # t = 1: A_1 = 0, o_1 = v_1
@@ -161,7 +121,7 @@ def test_derived_gradients_match_recursion(clamp):
     q, k, v = make_inputs(T=20, K=8, V=8)[:3]
     inputs = [x.requires_grad_() for x in (q, k * 4, v)]  # |k s|^2 ~ 5.6: the clamp acts early on
     w = torch.randn(2, 20, 3, 8, dtype=f64)
-    ref = torch.autograd.grad((naive_derived(*inputs, clamp=clamp)[0] * w).sum(), inputs)
+    ref = torch.autograd.grad((naive_derived_gated_delta(*inputs, clamp=clamp)[0] * w).sum(), inputs)
     got = torch.autograd.grad((derived_gated_delta_rule(*inputs, clamp_ktil=clamp)[0] * w).sum(), inputs)
     for a, b in zip(got, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
@@ -174,7 +134,7 @@ def test_derived_large_keys_float32():
     q, _, v = make_inputs(T=70, H=2, K=16, V=16)[:3]
     k = torch.randn(q.shape, generator=torch.Generator().manual_seed(2), dtype=f64)  # |k s|^2 ~ 4 mag^2
     for mag, clamp in [(6.0, False), (30.0, True)]:
-        o_ref, _ = naive_derived(q, k * mag, v, clamp=clamp)
+        o_ref, _ = naive_derived_gated_delta(q, k * mag, v, clamp=clamp)
         o32, _ = derived_gated_delta_rule(q.float(), (k * mag).float(), v.float(), clamp_ktil=clamp)
         assert (o32.double() - o_ref).norm() / o_ref.norm() < 1e-4
         if not clamp:

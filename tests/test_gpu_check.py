@@ -15,7 +15,7 @@ ROOT = gpu_check.ROOT
 
 def test_runs_its_cpu_checks_and_says_it_needs_cuda(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "XDG_CACHE_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py")], cwd=ROOT, env=env,
+    proc = subprocess.run([sys.executable, "-m", "scripts.gpu_check"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     out = proc.stdout

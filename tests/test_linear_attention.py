@@ -2,37 +2,9 @@
 import pytest
 import torch
 
-from model.ops.linear_attention import chunk_linear_attn
+from model.ops.linear_attention import chunk_linear_attn, naive_linear_attn
 
 EPS = 1e-6
-
-
-def naive_linear_attn(q, k, v, scale, S0=None, z0=None, normalize=False):
-    """S_t = S_{t-1} + k_t v_t^T; o_t = S_t^T (scale q_t); normalised: o_t / ((scale q_t) . z_t + eps),
-    z_t = z_{t-1} + k_t."""
-    Bsz, T, H, K = q.shape
-    V = v.shape[-1]
-    outs, S_fin, z_fin = [], [], []
-    for b in range(Bsz):
-        ob, Sb, zb = [], [], []
-        for h in range(H):
-            S = torch.zeros(K, V, dtype=q.dtype) if S0 is None else S0[b, h]
-            z = torch.zeros(K, dtype=q.dtype) if z0 is None else z0[b, h]
-            oh = []
-            for t in range(T):
-                S = S + torch.outer(k[b, t, h], v[b, t, h])
-                z = z + k[b, t, h]
-                o = S.T @ (scale * q[b, t, h])
-                if normalize:
-                    o = o / ((scale * q[b, t, h]) @ z + EPS)
-                oh.append(o)
-            ob.append(torch.stack(oh))
-            Sb.append(S)
-            zb.append(z)
-        outs.append(torch.stack(ob, 1))
-        S_fin.append(torch.stack(Sb))
-        z_fin.append(torch.stack(zb))
-    return torch.stack(outs), torch.stack(S_fin), torch.stack(z_fin)
 
 
 def make_inputs(Bsz=2, T=21, H=3, K=4, V=5, positive=False, seed=0):
@@ -55,7 +27,7 @@ def test_chunked_matches_recurrence(chunk, normalize, with_state):
     init = (S0, z0) if normalize else S0
     o, final = chunk_linear_attn(q, k, v, scale=0.7, initial_state=init if with_state else None,
                                  output_final_state=True, normalize=normalize, chunk_size=chunk, eps=EPS)
-    o_ref, S_ref, z_ref = naive_linear_attn(q, k, v, 0.7, S0, z0, normalize)
+    o_ref, S_ref, z_ref = naive_linear_attn(q, k, v, 0.7, S0, z0, normalize, EPS)
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
     if normalize:
         torch.testing.assert_close(final[0], S_ref, rtol=1e-10, atol=1e-10)
@@ -84,7 +56,7 @@ def test_gradients_match_recurrence(normalize):
     o, final = chunk_linear_attn(q, k, v, scale=0.5, initial_state=(S0, z0) if normalize else S0,
                                  output_final_state=True, normalize=normalize, chunk_size=4, eps=EPS)
     ours = grads(o, final[0] if normalize else final)
-    o_ref, S_ref, _ = naive_linear_attn(q, k, v, 0.5, S0, z0 if normalize else None, normalize)
+    o_ref, S_ref, _ = naive_linear_attn(q, k, v, 0.5, S0, z0 if normalize else None, normalize, EPS)
     ref = grads(o_ref, S_ref)
     for name, a, b in zip(["q", "k", "v", "S0", "z0"], ours, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=lambda m: f"grad of {name}: {m}")

@@ -1,4 +1,4 @@
-"""scripts/lm_eval.py: a saved checkpoint loads through AutoModelForCausalLM and lm-evaluation-harness
+"""scripts/run_lm_eval.py: a saved checkpoint loads through AutoModelForCausalLM and lm-evaluation-harness
 scores it on a local task (a YAML + a jsonl written here); the harness's accuracy equals the one from
 our own log-likelihoods."""
 import json
@@ -86,7 +86,7 @@ def own_accuracy(folder) -> float:
 
 
 def test_lm_eval_on_local_task(checkpoint, task_dir, tmp_path, capsys):
-    from scripts import lm_eval as script
+    from scripts import run_lm_eval as script
 
     out = tmp_path / "results.json"
     # A run dir works too: its final/ is used. Batch size 4 (loglikelihood batches carry no padding mask).
@@ -98,7 +98,7 @@ def test_lm_eval_on_local_task(checkpoint, task_dir, tmp_path, capsys):
 
 
 def test_tokenizerless_checkpoint_fails_clearly(checkpoint, task_dir, tmp_path):
-    from scripts import lm_eval as script
+    from scripts import run_lm_eval as script
 
     bare = tmp_path / "bare"
     bare.mkdir()

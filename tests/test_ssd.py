@@ -1,39 +1,8 @@
 """model.ops.ssd against the SSD recurrence written out token by token (float64)."""
 import pytest
 import torch
-import torch.nn.functional as F
 
-from model.ops.ssd import mamba_chunk_scan, mamba_state_step
-
-
-def naive_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, h0=None):
-    """h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T; y_t = h_t C_t + D x_t; y_t *= silu(z_t); per head,
-    head h reading group h // (H / G)."""
-    Bsz, T, H, P = x.shape
-    G, N = B.shape[2], B.shape[3]
-    if dt_bias is not None:
-        dt = dt + dt_bias
-    if dt_softplus:
-        dt = F.softplus(dt)
-    h = [[torch.zeros(P, N, dtype=x.dtype) if h0 is None else h0[b, i] for i in range(H)] for b in range(Bsz)]
-    ys = []
-    for b in range(Bsz):
-        yb = []
-        for t in range(T):
-            yt = []
-            for i in range(H):
-                g = i // (H // G)
-                h[b][i] = torch.exp(dt[b, t, i] * A[i]) * h[b][i] + dt[b, t, i] * torch.outer(x[b, t, i], B[b, t, g])
-                y = h[b][i] @ C[b, t, g]
-                if D is not None:
-                    y = y + D[i] * x[b, t, i]
-                if z is not None:
-                    y = y * F.silu(z[b, t, i])
-                yt.append(y)
-            yb.append(torch.stack(yt))
-        ys.append(torch.stack(yb))
-    final = torch.stack([torch.stack(hb) for hb in h])
-    return torch.stack(ys), final
+from model.ops.ssd import mamba_chunk_scan, mamba_state_step, naive_ssd
 
 
 def make_inputs(Bsz=2, T=19, H=4, P=3, G=2, N=5, D_shape="h", with_z=True, with_h0=True, seed=0):

@@ -36,7 +36,7 @@ def test_train_eval_export_and_evaluate(tmp_path, data_cache):
 
     import subprocess
     out = tmp_path / "eval"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"checkpoint={final}",
+    proc = subprocess.run([sys.executable, "-m", "scripts.evaluate", f"checkpoint={final}",
                            f"out_dir={out}", "batches=2", "batch_size=4", "sample_tokens=8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -47,13 +47,13 @@ def test_train_eval_export_and_evaluate(tmp_path, data_cache):
 
     # A mid-run checkpoint is evaluable as it is: evaluate.py reproduces the step-4 val loss from it.
     step4 = run / "checkpoints" / "step_0000004"
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "evaluate.py"), f"checkpoint={step4}",
+    proc = subprocess.run([sys.executable, "-m", "scripts.evaluate", f"checkpoint={step4}",
                            f"out_dir={tmp_path / 'eval4'}", "batches=2", "batch_size=4", "sample_tokens=0"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "eval4" / "eval.json").read_text())
     assert report["val/loss"] == pytest.approx(evals[0]["val/loss"], abs=1e-4)
-    from scripts.lm_eval import load
+    from scripts.run_lm_eval import load
     lm, tokenizer = load(step4, "cpu")
     assert lm.config.vocab_size == len(tokenizer)
 

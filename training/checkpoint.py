@@ -19,7 +19,6 @@ CPU), and it can be tested on CPU with torch's fully_shard over gloo.
 """
 import hashlib
 import json
-import os
 import re
 import shutil
 import signal
@@ -32,6 +31,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from common.files import rename_into_place, written_then_renamed
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
 
@@ -43,13 +44,6 @@ def is_main() -> bool:
 def barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
-
-
-def replace_dir(tmp: Path, final: Path) -> None:
-    """Move a finished temp folder into place (the old one, if any, goes first)."""
-    if final.exists():
-        shutil.rmtree(final)
-    os.replace(tmp, final)
 
 
 class StopFlag:
@@ -97,7 +91,7 @@ def save_checkpoint(run_dir: Path, model, optimizers: list, scheduler, state: di
     """Called on every rank (each writes its DCP shard); the main process writes the small files,
     the manifest, renames and prunes to the last `keep`."""
     final = Path(run_dir) / "checkpoints" / f"step_{state['step']:07d}"
-    tmp = final.with_name(f".tmp_{final.name}")
+    tmp = final.with_name(f".tmp_{final.name}")  # one name for every rank: each writes its DCP shard there
     if is_main() and tmp.exists():
         shutil.rmtree(tmp)
     barrier()
@@ -108,7 +102,7 @@ def save_checkpoint(run_dir: Path, model, optimizers: list, scheduler, state: di
         write_model_files(tmp, model, tokenizer, training_config)
         (tmp / "trainer_state.json").write_text(json.dumps(state))
         write_manifest(tmp)
-        replace_dir(tmp, final)
+        rename_into_place(tmp, final)
         for old in checkpoints(run_dir)[:-keep] if keep > 0 else []:
             shutil.rmtree(old)
     barrier()
@@ -133,11 +127,9 @@ def export_final(model, tokenizer, training_config: str, run_dir: Path) -> Path:
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     final = Path(run_dir) / "final"
     if is_main():
-        tmp = Path(run_dir) / ".tmp_final"
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, state_dict=full, is_main_process=True)
-        write_model_files(tmp, model, tokenizer, training_config)
-        replace_dir(tmp, final)
+        with written_then_renamed(final, tmp=Path(run_dir) / ".tmp_final") as tmp:
+            model.save_pretrained(tmp, state_dict=full, is_main_process=True)
+            write_model_files(tmp, model, tokenizer, training_config)
     barrier()
     return final
 

@@ -7,9 +7,8 @@ cached in ~/.cache/swaplm/cpu_peak.json (keyed by CPU model, thread count and to
 when no other process kept the cores busy during the measurement, so that one loaded moment cannot
 poison every later MFU. Every peak says where it came from (`Peak.describe`).
 
-A second process on the cores torch's threads use makes those threads wait on each other (one
-busy core of two cut a training run ~6x here); `ContentionMonitor` notices it from /proc/stat and
-says so once.
+A second process on the cores torch's threads use makes those threads wait on each other (a
+training run slows several-fold); `ContentionMonitor` notices it from /proc/stat and says so once.
 """
 import json
 import os
@@ -21,6 +20,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from common.files import written_then_renamed
 
 
 @dataclass(frozen=True)
@@ -47,8 +48,8 @@ GPU_PEAKS = [
     GpuPeak(r"\bA10\b", "A10", 125.0, 62.5, 31.2),  # not A10G: its tensor figures are not published
     GpuPeak(r"RTX 4090", "RTX 4090", 165.2, 82.6, 82.6),  # GeForce: fp32 accumulation runs at half the fp16 rate
     GpuPeak(r"RTX 3090", "RTX 3090", 71.0, 35.6, 35.6),
-    GpuPeak(r"V100", "V100", None, None, 15.7),  # SXM2; tensor cores are fp16 only
-    GpuPeak(r"\bT4\b", "T4", None, None, 8.1),  # tensor cores are fp16/int8 only
+    GpuPeak(r"V100", "V100", None, None, 15.7),  # the SXM2 part (PCIe: 14.0); Volta tensor cores: fp16 only
+    GpuPeak(r"\bT4\b", "T4", None, None, 8.1),  # Turing tensor cores: fp16, int8, int4
 ]
 
 
@@ -68,9 +69,9 @@ class Peak:
 
 
 def gpu_peak(device_name: str, precision: str) -> Peak:
-    """Datasheet peak of a CUDA device for precision 'bf16', 'tf32' or 'fp32'. A bf16 request on a
-    card without bf16 tensor cores (V100, T4) gets its fp32 CUDA-core peak: bf16 matmuls cannot run
-    faster than that there."""
+    """Datasheet peak of a CUDA device for precision 'bf16', 'tf32' or 'fp32'. V100 and T4 have no bf16
+    or tf32 units at all (torch emulates bf16 there through fp32), so such a request gets the fp32
+    CUDA-core peak: an upper bound for those matmuls, not a bf16 datasheet figure (there is none)."""
     for row in GPU_PEAKS:
         if re.search(row.pattern, device_name):
             tflops = getattr(row, precision)
@@ -177,9 +178,8 @@ def cpu_peak(remeasure: bool = False) -> Peak:
             entry = {"flops": flops, "measured_at": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%MZ")}
             cache[key] = entry
             path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(json.dumps(cache, indent=1))
-            tmp.replace(path)
+            with written_then_renamed(path) as tmp:
+                tmp.write_text(json.dumps(cache, indent=1))
             peak = Peak(flops, f"{what}, measured now ({load}), cached in {path}", "cpu")
         else:
             peak = Peak(flops, f"{what}, measured now ({load}: not cached, MFU may read high)", "cpu")

@@ -18,6 +18,7 @@ import torch
 
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_flops, derived_gated_delta_rule
+from model.ops.kernels import repeat_heads
 from model.options import option
 from model.registry import MIXERS
 
@@ -38,9 +39,7 @@ class DerivedGDN(SoftmaxAttention):
         self.clamp_ktil = config.options_for_mixer("derived_gdn", DerivedGDNOptions).clamp_ktil
 
     def core(self, q, k, v, cache: dict | None, aux, segments=None) -> torch.Tensor:
-        groups = self.num_heads // self.num_kv_heads
-        if groups > 1:  # GQA: q head h reads kv head h // groups
-            k, v = k.repeat_interleave(groups, dim=2), v.repeat_interleave(groups, dim=2)
+        k, v = repeat_heads(k, self.num_heads), repeat_heads(v, self.num_heads)  # GQA
         if segments is not None:  # the recursion (and its 1/t gates) restarts at each segment
             o, _ = derived_gated_delta_rule(*(segments.flatten(x) for x in (q, k, v)), clamp_ktil=self.clamp_ktil,
                                             cu_seqlens=segments.cu_seqlens)
@@ -57,6 +56,5 @@ class DerivedGDN(SoftmaxAttention):
     def flops_per_token(self, seq_len: int) -> float:
         """Projections plus the chunked gated-delta core per head (matmul FLOPs; the O(d) running
         means are not counted)."""
-        d = self.q_proj.in_features
-        proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        return proj + self.num_heads * chunk_gated_delta_flops(self.head_dim, self.head_dim, min(CHUNK_SIZE, seq_len))
+        core = self.num_heads * chunk_gated_delta_flops(self.head_dim, self.head_dim, min(CHUNK_SIZE, seq_len))
+        return self.projection_flops() + core

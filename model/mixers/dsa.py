@@ -147,8 +147,7 @@ class DSAttention(SoftmaxAttention):
         keys in warm-up)."""
         d = self.q_proj.in_features
         ix = self.indexer
-        proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        proj += 2 * d * (ix.heads * ix.head_dim + ix.head_dim + ix.heads)
+        proj = self.projection_flops() + 2 * d * (ix.heads * ix.head_dim + ix.head_dim + ix.heads)
         context = (seq_len + 1) / 2
         index = 2 * ix.heads * (ix.head_dim + 1) * context
         k = self.topk if self.stage == "sparse" else seq_len

@@ -31,6 +31,7 @@ from model.layers import (GatedRMSNorm, ShortConv, at_least_fp32, init_A_log_, i
                           residual_scale)
 from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule,
                                    fused_recurrent_gated_delta_rule)
+from model.ops.kernels import repeat_heads
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -96,8 +97,7 @@ class GatedDeltaNet(nn.Module):
         v = self.v_conv(self.v_proj(x), cache, "conv_v", segments).view(B, T, Hv, V)
         q, k = ((at_least_fp32(t) / torch.sqrt(at_least_fp32(t).pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype)
                 for t in (q, k))
-        if Hv != H:
-            q, k = q.repeat_interleave(Hv // H, dim=2), k.repeat_interleave(Hv // H, dim=2)
+        q, k = repeat_heads(q, Hv), repeat_heads(k, Hv)  # each q, k head shared by Hv / H value heads
         beta = at_least_fp32(self.b_proj(x)).sigmoid()
         g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + self.dt_bias)
         state = cache.get("state") if cache is not None else None

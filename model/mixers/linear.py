@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from model.mixers.softmax import SoftmaxAttention
+from model.ops.kernels import repeat_heads
 from model.ops.linear_attention import chunk_flops_per_token, chunk_linear_attn
 from model.options import bad_option, option
 from model.registry import MIXERS
@@ -46,9 +47,7 @@ class LinearAttention(SoftmaxAttention):
 
     def core(self, q, k, v, cache: dict | None, aux, segments=None) -> torch.Tensor:
         q, k = self.feature_map(q), self.feature_map(k)
-        if self.num_kv_heads != self.num_heads:
-            rep = self.num_heads // self.num_kv_heads
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        k, v = repeat_heads(k, self.num_heads), repeat_heads(v, self.num_heads)  # GQA
         if segments is not None:  # the state (and the normaliser's key sum) restarts at each segment
             o, _ = chunk_linear_attn(*(segments.flatten(x) for x in (q, k, v)), normalize=self.normalize,
                                      chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
@@ -67,8 +66,6 @@ class LinearAttention(SoftmaxAttention):
 
     def flops_per_token(self, seq_len: int) -> float:
         """Projections plus the chunked linear-attention core (k, v repeated to all heads)."""
-        d = self.q_proj.in_features
-        proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         core = chunk_flops_per_token(seq_len, self.chunk_size, self.num_heads, self.num_heads,
                                      self.head_dim, self.head_dim)
-        return proj + core
+        return self.projection_flops() + core

@@ -74,11 +74,14 @@ class SoftmaxAttention(nn.Module):
         o = attend(q, k, v, segments)
         return o.transpose(1, 2)
 
+    def projection_flops(self) -> float:
+        """Per token, q_proj, k_proj, v_proj and o_proj: 2 d (2 H + 2 Hkv) head_dim (shared by the
+        mixers that reuse these projections)."""
+        return 2 * self.q_proj.in_features * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+
     def flops_per_token(self, seq_len: int) -> float:
         """Projections plus q.k and a.v over the causal context, (seq_len + 1) / 2 keys on average."""
-        d = self.q_proj.in_features
-        proj = 2 * d * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        return proj + 2 * 2 * self.num_heads * self.head_dim * (seq_len + 1) / 2
+        return self.projection_flops() + 2 * 2 * self.num_heads * self.head_dim * (seq_len + 1) / 2
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments | None = None) -> torch.Tensor:

@@ -12,23 +12,11 @@ restarting from zero at each; final states are then [N, H, K, V], one per sequen
 """
 import torch
 
+from model.ops.kernels import accumulation_dtype, optional_kernel
 from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, sequence_cumsum
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
-
-
-def _fla(name: str):
-    """fla.ops.gated_delta_rule.<name>, or None when fla (or Triton) is not importable."""
-    try:
-        import fla.ops.gated_delta_rule as fla_gdr
-    except ImportError:
-        return None
-    return getattr(fla_gdr, name)
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -44,14 +32,13 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     uses 64). With cu_seqlens every sequence is laid out on whole chunks (ChunkLayout) and the state
     entering a sequence's first chunk is dropped (e^G zeroed there).
     """
-    if q.is_cuda:
-        fla_chunk = _fla("chunk_gated_delta_rule")
-        if fla_chunk is not None:
-            return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                             output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    fla_chunk = optional_kernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", q)
+    if fla_chunk is not None:
+        return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     B, T, H, K = k.shape
     V = v.shape[-1]
-    dtype, cd = v.dtype, _compute_dtype(v)
+    dtype, cd = v.dtype, accumulation_dtype(v.dtype)
     scale = K ** -0.5 if scale is None else scale
     C = min(chunk_size, T)
     if cu_seqlens is None:
@@ -102,7 +89,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
 
     Forward: u = inv (beta v), w = inv (beta k e^G), inv = (I + strictLower(Gamma o diag(beta) K K^T))^-1;
     per chunk vnew = u - w S, S <- e^{G_C} S + kd^T vnew; then o = scale [(q e^G) S + (Gamma o Q K^T) vnew].
-    Backward by hand (autograd through the same graph measured ~1.3x slower on CPU): the matmuls reversed, the
+    Backward by hand (faster on CPU than autograd through the same graph): the matmuls reversed, the
     state gradient in one reverse loop, and d inv folded into dA = -strictLower(inv^T [du | dw] [u | w]^T).
     resets [N] bool (or None): chunk n ignores the state entering it (its e^G is zeroed, so q e^G S_n,
     w S_n and e^{G_C} S_n vanish, in backward too); the second output is then S_ends [len(ends), B H, K, V].
@@ -193,12 +180,11 @@ class _ChunkedGatedDelta(torch.autograd.Function):
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                      output_final_state=False, cu_seqlens=None):
     """The per-token recurrence (for decoding, T small); same arguments and returns as the chunked form."""
-    if q.is_cuda:
-        fla_rec = _fla("fused_recurrent_gated_delta_rule")
-        if fla_rec is not None:
-            # keywords: fla's signature is (q, k, v, g, gk, gv, beta, ...)
-            return fla_rec(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
+    fla_rec = optional_kernel("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule", q)
+    if fla_rec is not None:
+        # keywords: fla's signature is (q, k, v, g, gk, gv, beta, ...)
+        return fla_rec(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if cu_seqlens is not None:
         check_packed(q, cu_seqlens, initial_state)
         bounds = cu_seqlens.tolist()
@@ -208,7 +194,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
         return o, (torch.cat([h for _, h in parts]) if output_final_state else None)
     B, T, H, K = k.shape
     V = v.shape[-1]
-    dtype, cd = v.dtype, _compute_dtype(v)
+    dtype, cd = v.dtype, accumulation_dtype(v.dtype)
     scale = K ** -0.5 if scale is None else scale
     q, k, v, g, beta = q.to(cd) * scale, k.to(cd), v.to(cd), g.to(cd), beta.to(cd)
     h = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(cd)
@@ -236,7 +222,7 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
 
     Along ktil_t the transition has eigenvalue 1 - (1 + |ktil_t|^2)/t, which amplifies the state when
     |ktil_t|^2 > 2t - 1. clamp_ktil=True rescales ktil_t (in both its uses) to |ktil_t|^2 <= 2t - 1 so that
-    no step amplifies; False is (3) exactly.
+    no step amplifies; False is the recursion above exactly.
 
     State (initial_state / returned): dict with A [B, H, K, V] (A_t transposed, the gated-delta h),
     k_sum [B, H, K] and v_sum [B, H, V] (running sums of scaled keys and of values), t (int, tokens seen).
@@ -244,7 +230,7 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     each sequence; the state then holds one entry per sequence and t is their lengths [N].
     """
     B, T, H, K = k.shape
-    dtype, cd = v.dtype, _compute_dtype(v)
+    dtype, cd = v.dtype, accumulation_dtype(v.dtype)
     root = (K ** -0.5 if scale is None else scale) ** 0.5
     q, k, v = q.to(cd) * root, k.to(cd) * root, v.to(cd)
     t0 = 0 if initial_state is None else initial_state["t"]
@@ -285,3 +271,45 @@ def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, chunk_size: int = 
     product (C V)."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
     return 2.0 * (2 * C * K + C * C / 6 + C * (K + V) + 3 * K * V + C * V)
+
+
+# ---- naive references: the recurrences token by token, straight from the formulas (the tests' oracles, float64)
+def naive_gated_delta(q, k, v, g, beta, scale=None, h=None):
+    """h = h exp(g_t); u = beta_t (v_t - h^T k_t); h = h + k_t u^T; o_t = h^T (scale q_t)."""
+    B, T, H, K = k.shape
+    scale = K ** -0.5 if scale is None else scale
+    h = q.new_zeros(B, H, K, v.shape[-1]) if h is None else h
+    out = []
+    for t in range(T):
+        h = h * g[:, t, :, None, None].exp()
+        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", h, k[:, t]))
+        h = h + k[:, t, :, :, None] * u[:, :, None, :]
+        out.append(torch.einsum("bhkv,bhk->bhv", h, scale * q[:, t]))
+    return torch.stack(out, 1), h
+
+
+def naive_derived_gated_delta(q, k, v, scale=None, clamp=False, state=None):
+    """derived_gated_delta_rule's recursion, S_t = A_t in [V, K]:  ktil_t = k_t - kbar_t, vtil_t = v_t - vbar_{t-1},
+    A_t = A_{t-1} ((1 - 1/t) I - (1/t) ktil ktil^T) + (1/t) vtil ktil^T, o_t = A_t q_t + vbar_t;
+    q, k times scale^1/2 (default d^-1/4 each). clamp: ktil scaled to |ktil|^2 <= 2t - 1.
+    state / returned: (A, k_sum, v_sum, t)."""
+    B, T, H, K = k.shape
+    s = (K ** -0.5 if scale is None else scale) ** 0.5
+    q, k = q * s, k * s
+    if state is None:
+        state = (q.new_zeros(B, H, v.shape[-1], K), q.new_zeros(B, H, K), q.new_zeros(B, H, v.shape[-1]), 0)
+    A, k_sum, v_sum, t0 = state
+    eye = torch.eye(K, dtype=q.dtype)
+    out = []
+    for i in range(T):
+        t = t0 + i + 1
+        k_sum = k_sum + k[:, i]
+        ktil = k[:, i] - k_sum / t
+        if clamp:
+            ktil = ktil / torch.maximum(torch.ones(()), ktil.pow(2).sum(-1, keepdim=True) / (2 * t - 1)).sqrt()
+        vtil = v[:, i] - (v_sum / (t - 1) if t > 1 else 0)
+        v_sum = v_sum + v[:, i]
+        A = A @ ((1 - 1 / t) * eye - ktil[..., :, None] * ktil[..., None, :] / t) \
+            + vtil[..., :, None] * ktil[..., None, :] / t
+        out.append((A @ q[:, i, ..., None])[..., 0] + v_sum / t)
+    return torch.stack(out, 1), (A, k_sum, v_sum, t0 + T)

@@ -12,12 +12,8 @@ starting from a zero state; final states are then one per sequence.
 import torch
 import torch.nn.functional as F
 
+from model.ops.kernels import accumulation_dtype, optional_kernel
 from model.ops.varlen import ChunkLayout, check_packed, sequence_cumsum
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """fp32 accumulation for half inputs; float64 stays float64."""
-    return torch.promote_types(dtype, torch.float32)
 
 
 def _segsum(a: torch.Tensor) -> torch.Tensor:
@@ -111,14 +107,6 @@ def chunk_flops_per_token(seq_len: int, chunk_size: int, groups: int, heads: int
     return 2 * C * k_dim * groups + per_head * heads
 
 
-def _fla_linear_attn():
-    try:
-        from fla.ops.linear_attn import chunk_linear_attn as kernel
-    except ImportError:
-        return None
-    return kernel
-
-
 def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
                       output_final_state: bool = False, normalize: bool = False,
                       chunk_size: int = 64, eps: float = 1e-6, cu_seqlens=None):
@@ -132,13 +120,13 @@ def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
     S0 = z0 = None
     if initial_state is not None:
         S0, z0 = initial_state if normalize else (initial_state, None)
-    kernel = _fla_linear_attn() if q.is_cuda else None
+    kernel = optional_kernel("fla.ops.linear_attn", "chunk_linear_attn", q)
     if kernel is not None:
         o, S = kernel(q, k, v, scale=scale, initial_state=S0, output_final_state=output_final_state,
                       normalize=False, cu_seqlens=cu_seqlens)
-        o = o.to(compute_dtype(v.dtype))
+        o = o.to(accumulation_dtype(v.dtype))
     else:
-        ct = compute_dtype(v.dtype)
+        ct = accumulation_dtype(v.dtype)
         o, S = chunk_scalar_decay(q.to(ct), k.to(ct), v.to(ct), None, scale, chunk_size,
                                   None if S0 is None else S0.to(ct), cu_seqlens)
     final = S if output_final_state else None
@@ -155,3 +143,32 @@ def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
         z = kc[:, -1] if cu_seqlens is None else kc[0, cu_seqlens[1:] - 1]
         final = (S, z) if output_final_state else None
     return o.to(v.dtype), final
+
+
+# ---- naive reference: the recurrence token by token, straight from the formulas (the tests' oracle, float64)
+def naive_linear_attn(q, k, v, scale, S0=None, z0=None, normalize=False, eps=1e-6):
+    """S_t = S_{t-1} + k_t v_t^T; o_t = S_t^T (scale q_t); normalised: o_t / ((scale q_t) . z_t + eps),
+    z_t = z_{t-1} + k_t."""
+    Bsz, T, H, K = q.shape
+    V = v.shape[-1]
+    outs, S_fin, z_fin = [], [], []
+    for b in range(Bsz):
+        ob, Sb, zb = [], [], []
+        for h in range(H):
+            S = torch.zeros(K, V, dtype=q.dtype) if S0 is None else S0[b, h]
+            z = torch.zeros(K, dtype=q.dtype) if z0 is None else z0[b, h]
+            oh = []
+            for t in range(T):
+                S = S + torch.outer(k[b, t, h], v[b, t, h])
+                z = z + k[b, t, h]
+                o = S.T @ (scale * q[b, t, h])
+                if normalize:
+                    o = o / ((scale * q[b, t, h]) @ z + eps)
+                oh.append(o)
+            ob.append(torch.stack(oh))
+            Sb.append(S)
+            zb.append(z)
+        outs.append(torch.stack(ob, 1))
+        S_fin.append(torch.stack(Sb))
+        z_fin.append(torch.stack(zb))
+    return torch.stack(outs), torch.stack(S_fin), torch.stack(z_fin)

@@ -15,7 +15,8 @@ Two paths compute attention over the selected keys, with the same outputs and gr
   masked (`masked_attention`): fused SDPA under the [T, S] boolean top-k mask, queries in blocks so
       each block reads only the keys it can see: dense FLOPs, O(T S H D), in the fused kernel.
 `selected_attention` picks the cheaper by `attention_path`'s cost model and logs the choice once per
-shape. `sparse_attention_reference` is the dense masked O(T S d) einsum the tests check both against.
+shape. The naive references at the end are the tests' oracles: `naive_masked_attention`, a dense
+masked O(T S d) einsum (both paths' outputs and gradients), and per-query loops from the formulas.
 Everything accumulates in fp32 (fp64 for fp64 inputs). No installable GPU kernel fits these shapes
 (see README, "DSA on GPU"), so CUDA tensors run these same paths (cuSPARSE / fused SDPA).
 """
@@ -27,14 +28,12 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from model.ops.kernels import accumulation_dtype, repeat_heads
+
 logger = logging.getLogger(__name__)
 
 _BLOCK_ELEMS = 1 << 22  # temporaries per query block of the dense ops, in elements (16 MiB at fp32)
 _INDEX_BLOCK_ELEMS = 1 << 20  # indexer scores per query block: small enough to stay in cache
-
-
-def _acc_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _own_precision(fn):
@@ -134,7 +133,7 @@ def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: 
                  segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Dense causal indexer scores [B, T, S] (fp32, -inf on future keys, and on other documents' keys
     given segment_ids [B, T]); differentiable, O(T S H_I d_I) memory: the warm-up stage's indexer logits."""
-    acc = _acc_dtype(q_i)
+    acc = accumulation_dtype(q_i.dtype)
     dots = torch.einsum("bthd,bsd->bths", q_i.to(acc), k_i.to(acc)).relu()
     scores = torch.einsum("bth,bths->bts", w.to(acc), dots)
     return scores.masked_fill(~visible(q_i.shape[1], k_i.shape[1], offset, q_i.device, segment_ids), float("-inf"))
@@ -187,7 +186,7 @@ def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int,
     B, T, H_I, d = q_i.shape
     S = k_i.shape[1]
     K = min(topk, S)
-    acc = _acc_dtype(q_i)
+    acc = accumulation_dtype(q_i.dtype)
     out = torch.full((B, T, K), -1, dtype=torch.long, device=q_i.device)
     kt = k_i.to(acc).transpose(1, 2)  # [B, d, S]
     for t0, t1 in _blocks(T, H_I * S, _INDEX_BLOCK_ELEMS):
@@ -209,7 +208,7 @@ def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int,
 class _IndexScoresAt(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_i, k_i, w, sel):
-        acc = _acc_dtype(q_i)
+        acc = accumulation_dtype(q_i.dtype)
         qh, kf = _head_major(q_i, acc), k_i.to(acc).flatten(0, 1)  # [H_I, B T, d], [B S, d]
         dots = torch.stack([sel.sampled_dots(qh[j], kf) for j in range(qh.shape[0])])  # [H_I, B T, K]
         wh = w.to(acc).permute(2, 0, 1).reshape(-1, sel.rows, 1)
@@ -254,7 +253,7 @@ class _SparseAttention(torch.autograd.Function):
         B, T, H, _ = q.shape
         Hkv, Dv = k.shape[2], v.shape[3]
         G = H // Hkv
-        acc = _acc_dtype(q)
+        acc = accumulation_dtype(q.dtype)
         qh, kh, vh = _head_major(q, acc), _head_major(k, acc), _head_major(v, acc)
         s = torch.stack([sel.sampled_dots(qh[h], kh[h // G]) for h in range(H)])  # [H, B T, K]
         p = s.mul_(scale).masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf")).softmax(-1)
@@ -364,20 +363,6 @@ def selected_attention(q, k, v, indices, scale: float | None = None, with_probs:
 
 
 @_own_precision
-def sparse_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
-                               scale: float | None = None) -> torch.Tensor:
-    """Dense masked einsum, O(T S d): the attention both paths compute, through a [B, T, S] mask."""
-    B, T, H, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
-    # Empty slots scatter into an extra column that is dropped.
-    selected = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
-    selected = selected.scatter(-1, indices.masked_fill(indices < 0, S), True)[..., :S]
-    k, v = k.repeat_interleave(H // Hkv, dim=2), v.repeat_interleave(H // Hkv, dim=2)
-    s = torch.einsum("bthd,bshd->bhts", q, k) * _scale(q, scale)
-    p = s.masked_fill(~selected[:, None], float("-inf")).softmax(-1)
-    return torch.einsum("bhts,bshd->bthd", p, v)
-
-
 # ---- detached attention probabilities (indexer targets and recall) ---------------------------------
 
 @_own_precision
@@ -387,7 +372,7 @@ def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices, scale: f
     slots; the sparse stage's indexer target (one SDDMM per head)."""
     sel = _as_selection(indices, k.shape[1])
     H, G = q.shape[2], q.shape[2] // k.shape[2]
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q.dtype)
     qh, kh = _head_major(q, acc), _head_major(k, acc)
     p = torch.zeros(sel.rows, sel.indices.shape[-1], dtype=acc, device=q.device)
     for h in range(H):
@@ -404,7 +389,7 @@ def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
     averaged over heads (L1-normalised); the warm-up indexer target and the reference for top-k recall."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
-    acc = _acc_dtype(q)
+    acc = accumulation_dtype(q.dtype)
     kf = k.to(acc)
     p = torch.empty(B, T, S, dtype=acc, device=q.device)
     for t0, t1 in _blocks(T, 2 * B * H * S):
@@ -415,3 +400,45 @@ def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
             mask = mask & (segment_ids[:, t0:t1, None] == segment_ids[:, None, :])
         p[:, t0:t1] = s.masked_fill(~mask[:, :, None, None], float("-inf")).softmax(-1).mean((2, 3))
     return p
+
+
+# ---- naive references (the tests' oracles, float64) ---------------------------------------------------
+def naive_index_scores(q_i, k_i, w):
+    """I[b, t, s] = sum_j w[b, t, j] relu(q_i[b, t, j] . k_i[b, s]) for s <= t, else -inf."""
+    B, T, H_I, _ = q_i.shape
+    out = torch.full((B, T, k_i.shape[1]), float("-inf"), dtype=q_i.dtype)
+    for b in range(B):
+        for t in range(T):
+            for s in range(t + 1):
+                out[b, t, s] = sum(w[b, t, j] * torch.relu(q_i[b, t, j] @ k_i[b, s]) for j in range(H_I))
+    return out
+
+
+def naive_sparse_attention(q, k, v, indices):
+    """o[b, t, h] = sum_{s in sel} softmax_s(q . k_s / sqrt(D)) v_s over the selected s (-1 = none)."""
+    B, T, H, D = q.shape
+    G = H // k.shape[2]
+    o = torch.zeros(B, T, H, v.shape[-1], dtype=q.dtype)
+    for b in range(B):
+        for t in range(T):
+            sel = [int(s) for s in indices[b, t] if s >= 0]
+            for h in range(H):
+                logits = torch.stack([q[b, t, h] @ k[b, s, h // G] for s in sel]) * D**-0.5
+                p = logits.softmax(0)
+                o[b, t, h] = sum(p[i] * v[b, s, h // G] for i, s in enumerate(sel))
+    return o
+
+
+def naive_masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices: torch.Tensor,
+                           scale: float | None = None) -> torch.Tensor:
+    """Dense masked einsum, O(T S d): the attention both paths compute, through a [B, T, S] mask
+    (differentiable, so the paths' gradients are checked against it too)."""
+    B, T, H, D = q.shape
+    S = k.shape[1]
+    # Empty slots scatter into an extra column that is dropped.
+    selected = torch.zeros(B, T, S + 1, dtype=torch.bool, device=q.device)
+    selected = selected.scatter(-1, indices.masked_fill(indices < 0, S), True)[..., :S]
+    k, v = repeat_heads(k, H), repeat_heads(v, H)
+    s = torch.einsum("bthd,bshd->bhts", q, k) * _scale(q, scale)
+    p = s.masked_fill(~selected[:, None], float("-inf")).softmax(-1)
+    return torch.einsum("bhts,bshd->bthd", p, v)

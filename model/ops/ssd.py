@@ -16,20 +16,13 @@ several sequences, each starting from a zero state.
 import torch
 import torch.nn.functional as F
 
-from model.ops.linear_attention import chunk_scalar_decay, compute_dtype
-
-
-def _fla_simple_gla():
-    try:
-        from fla.ops.simple_gla import chunk_simple_gla as kernel
-    except ImportError:
-        return None
-    return kernel
+from model.ops.kernels import accumulation_dtype, optional_kernel, repeat_heads
+from model.ops.linear_attention import chunk_scalar_decay
 
 
 def _discretise(x, dt, A, dt_bias, dt_softplus):
     """(x, dt, A) in the compute dtype, with dt biased and softplus'd as asked."""
-    ct = compute_dtype(x.dtype)
+    ct = accumulation_dtype(x.dtype)
     dt = dt.to(ct)
     if dt_bias is not None:
         dt = dt + dt_bias.to(ct)
@@ -55,10 +48,9 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=No
     (float64 for float64 inputs)."""
     xc, dt, A = _discretise(x, dt, A, dt_bias, dt_softplus)
     ct = xc.dtype
-    kernel = _fla_simple_gla() if x.is_cuda else None
+    kernel = optional_kernel("fla.ops.simple_gla", "chunk_simple_gla", x)
     if kernel is not None:  # its own chunk size (64); q, k, v in x's dtype, g and the state in fp32
-        rep = x.shape[2] // B.shape[2]
-        q, k = (t.repeat_interleave(rep, dim=2).to(x.dtype) for t in (C, B))
+        q, k = (repeat_heads(t, x.shape[2]).to(x.dtype) for t in (C, B))
         y, state = kernel(q, k, (xc * dt[..., None]).to(x.dtype), g=dt * A, scale=1.0,
                           initial_state=None if initial_states is None else initial_states.to(ct),
                           output_final_state=return_final_states, state_v_first=True,
@@ -77,10 +69,39 @@ def mamba_state_step(x, dt, A, B, C, state, D=None, z=None, dt_bias=None, dt_sof
     state [B, H, P, N]. Returns (y [B, H, P] in x's dtype, new state in the compute dtype)."""
     xc, dt, A = _discretise(x, dt, A, dt_bias, dt_softplus)
     ct = xc.dtype
-    heads_per_group = x.shape[1] // B.shape[1]
-    B = B.to(ct).repeat_interleave(heads_per_group, dim=1)  # [B, H, N]
-    C = C.to(ct).repeat_interleave(heads_per_group, dim=1)
+    B, C = (repeat_heads(t.to(ct), x.shape[1], dim=1) for t in (B, C))  # [B, H, N]
     # h = exp(dt A) h + (dt x) B^T;  y = h C
     state = state.to(ct) * (dt * A).exp()[..., None, None] + (dt[..., None] * xc)[..., None] * B[:, :, None, :]
     y = (state @ C[..., None]).squeeze(-1)
     return _skip_and_gate(y, xc, D, z).to(x.dtype), state
+
+
+# ---- naive reference: the recurrence token by token, straight from the formulas (the tests' oracle, float64)
+def naive_ssd(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False, h0=None):
+    """h_t = exp(dt_t A) h_{t-1} + dt_t x_t B_t^T; y_t = h_t C_t + D x_t; y_t *= silu(z_t); per head,
+    head h reading group h // (H / G)."""
+    Bsz, T, H, P = x.shape
+    G, N = B.shape[2], B.shape[3]
+    if dt_bias is not None:
+        dt = dt + dt_bias
+    if dt_softplus:
+        dt = F.softplus(dt)
+    h = [[torch.zeros(P, N, dtype=x.dtype) if h0 is None else h0[b, i] for i in range(H)] for b in range(Bsz)]
+    ys = []
+    for b in range(Bsz):
+        yb = []
+        for t in range(T):
+            yt = []
+            for i in range(H):
+                g = i // (H // G)
+                h[b][i] = torch.exp(dt[b, t, i] * A[i]) * h[b][i] + dt[b, t, i] * torch.outer(x[b, t, i], B[b, t, g])
+                y = h[b][i] @ C[b, t, g]
+                if D is not None:
+                    y = y + D[i] * x[b, t, i]
+                if z is not None:
+                    y = y * F.silu(z[b, t, i])
+                yt.append(y)
+            yb.append(torch.stack(yt))
+        ys.append(torch.stack(yb))
+    final = torch.stack([torch.stack(hb) for hb in h])
+    return torch.stack(ys), final

@@ -69,8 +69,7 @@ PEER = SAMPLER + textwrap.dedent('''
 OURS = SAMPLER + textwrap.dedent('''
     import json, resource, sys, time
     from omegaconf import OmegaConf
-    sys.path.insert(0, sys.argv[4])
-    from data import build_data
+    from data import build_data  # cwd: the repo
     corpus, tok_dir, cache = sys.argv[1:4]
     t0 = time.time()
     cfg = OmegaConf.create({"name": "local", "path": corpus, "text_column": "text", "max_documents": None,
@@ -200,8 +199,8 @@ def run(quick: bool) -> str:
     with tempfile.TemporaryDirectory(dir=WORK) as tmp:
         tmp = Path(tmp)
         peer = run_script(PEER, str(big), str(tok_dir), str(tmp / "peer.bin"), hf_cache=tmp / "hf_peer")
-        ours = run_script(OURS, str(big), str(tok_dir), str(tmp / "ours"), str(ROOT), hf_cache=tmp / "hf_ours")
-        ours_small = run_script(OURS, str(small), str(tok_dir), str(tmp / "ours_small"), str(ROOT), hf_cache=tmp / "hf_small")
+        ours = run_script(OURS, str(big), str(tok_dir), str(tmp / "ours"), hf_cache=tmp / "hf_ours")
+        ours_small = run_script(OURS, str(small), str(tok_dir), str(tmp / "ours_small"), hf_cache=tmp / "hf_small")
         rss_big = train_rss_mb(big, tok_dir, tmp / "ours", tmp / "run_big", tmp / "hf_ours")
         rss_small = train_rss_mb(small, tok_dir, tmp / "ours_small", tmp / "run_small", tmp / "hf_small")
         loader = loader_throughput(big, tok_dir, tmp / "ours")

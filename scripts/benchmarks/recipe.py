@@ -39,9 +39,8 @@ PEER = textwrap.dedent('''
     from omegaconf import OmegaConf
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-    sys.path.insert(0, sys.argv[1])
-    from data.text import stdlib_documents  # the same train split as train.py's data=stdlib
-    budget, out = float(sys.argv[2]), sys.argv[3]
+    from data.text import stdlib_documents  # the same train split as train.py's data=stdlib (cwd: the repo)
+    budget, out = float(sys.argv[1]), sys.argv[2]
     torch.manual_seed(0)
 
     train_docs, _, _ = stdlib_documents(OmegaConf.create({"max_documents": None, "val_fraction": 0.05}))
@@ -123,7 +122,7 @@ def train_ours(name: str, overrides: list[str], cache: Path) -> dict:
 def train_peer(budget: float) -> dict:
     folder = WORK / "peer"
     t0 = time.time()
-    done = subprocess.run([sys.executable, "-c", PEER, str(ROOT), str(budget), str(folder)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-c", PEER, str(budget), str(folder)], cwd=ROOT,
                           check=True, capture_output=True, text=True)
     out = json.loads(done.stdout.strip().splitlines()[-1])
     out.update(wall=time.time() - t0, tokens_per_sec=out["tokens"] / out["train_seconds"], folder=folder)

@@ -1,7 +1,7 @@
 """Run EleutherAI's lm-evaluation-harness on a trained checkpoint.
 
     pip install -r requirements-eval.txt    # lm-eval (heavy: scipy, scikit-learn, nltk, ...)
-    python scripts/lm_eval.py outputs/<date>/<run>/final --tasks lambada_openai,hellaswag [--limit 200]
+    python -m scripts.run_lm_eval outputs/<date>/<run>/final --tasks lambada_openai,hellaswag [--limit 200]
         [--include-path my_tasks/] [--num-fewshot 0] [--batch-size 8] [--device cuda] [--out results.json]
 
 The checkpoint (an HF dir, or a run dir whose final/ is used) is loaded with
@@ -10,16 +10,14 @@ to the harness's HFLM wrapper as a model object with its tokenizer. --include-pa
 of task YAMLs (e.g. a local jsonl task). DecoderLM takes unpadded sequences only: loglikelihood
 tasks (multiple choice, perplexity) work at any batch size; generation tasks need --batch-size 1.
 Prints task / metric / value; --out writes the results dict as JSON.
+
+Run it with -m from the repo root: run by path, scripts/ comes first on the import path, and its
+evaluate.py would stand in for the `evaluate` package that some lm-eval tasks import.
 """
 import argparse
 import json
 import sys
 from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-if sys.path and Path(sys.path[0] or ".").resolve() == ROOT / "scripts":
-    sys.path.pop(0)  # run as a script, scripts/ would shadow the lm_eval package with this file
-sys.path.insert(0, str(ROOT))
 
 
 def load(checkpoint: str | Path, device: str):

@@ -1,0 +1,25 @@
+"""Name -> class (or builder) registries: mixers and FFNs (model/registry.py), data sources
+(data/registry.py). Here, apart from both, so that neither package imports the other."""
+
+
+class Registry:
+    def __init__(self, kind: str):
+        self.kind = kind
+        self._classes: dict[str, type] = {}
+
+    def register(self, name: str):
+        def wrap(cls):
+            if name in self._classes:
+                raise ValueError(f"{self.kind} {name!r} is registered twice")
+            self._classes[name] = cls
+            return cls
+
+        return wrap
+
+    def names(self) -> list[str]:
+        return sorted(self._classes)
+
+    def get(self, name: str) -> type:
+        if name not in self._classes:
+            raise ValueError(f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}")
+        return self._classes[name]

@@ -1,0 +1,50 @@
+"""common/files.py: temp name then rename, for files and folders, replacing or keeping what is there."""
+import os
+
+import pytest
+
+from common.files import temp_path, written_then_renamed
+
+
+def test_a_file_replaces_the_old_one_and_no_temp_is_left(tmp_path):
+    final = tmp_path / "eval.json"
+    final.write_text("old")
+    with written_then_renamed(final) as tmp:
+        assert tmp == tmp_path / f"eval.json.tmp{os.getpid()}"
+        tmp.write_text("new")
+        assert final.read_text() == "old"  # readers see the old file until the rename
+    assert final.read_text() == "new" and sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
+
+
+def test_a_folder_replaces_the_old_one(tmp_path):
+    final = tmp_path / "final"
+    (final / "sub").mkdir(parents=True)
+    (final / "sub" / "old.bin").write_bytes(b"x")
+    with written_then_renamed(final, tmp=tmp_path / ".tmp_final") as tmp:
+        tmp.mkdir()
+        (tmp / "new.bin").write_bytes(b"y")
+    assert [p.name for p in final.iterdir()] == ["new.bin"] and sorted(p.name for p in tmp_path.iterdir()) == ["final"]
+
+
+def test_keep_existing_keeps_the_first_writer_and_drops_the_temp(tmp_path):
+    """The tokenizer cache: another process saved the same folder first, before or during our write."""
+    final = tmp_path / "tok"
+    with written_then_renamed(final, keep_existing=True) as tmp:
+        tmp.mkdir()
+        (tmp / "tokenizer.json").write_text("ours")
+        final.mkdir()  # the other process renames its folder into place meanwhile
+        (final / "tokenizer.json").write_text("theirs")
+    assert (final / "tokenizer.json").read_text() == "theirs"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tok"]
+
+
+def test_an_error_removes_the_temp_and_leaves_the_final_alone(tmp_path):
+    final = tmp_path / "cache.json"
+    final.write_text("good")
+    stale = temp_path(final)
+    stale.write_text("a killed run's leftover")
+    with pytest.raises(RuntimeError), written_then_renamed(final) as tmp:
+        assert not tmp.exists()  # the stale temp is cleared first
+        tmp.write_text("half")
+        raise RuntimeError("write failed")
+    assert final.read_text() == "good" and sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
