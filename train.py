@@ -1,22 +1,20 @@
 """Train a decoder LM: python train.py [group=choice ...] [key=value ...]
 
-setup() builds data, model, optimizer and trackers from the Hydra config (configs/train.yaml) on
-Accelerate (one CPU/GPU process, or DDP/FSDP under `accelerate launch`) and resumes if asked;
-train() runs the loop (train_step, the logging Meter, evaluate, checkpoints, stop signals);
+training/run.py's setup() builds the Run (data, model, optimizer, trackers, resume) from the
+Hydra config (configs/train.yaml) on Accelerate (one CPU/GPU process, or DDP/FSDP under
+`accelerate launch`); train() runs the loop (train_step, the logging Meter, evaluate, checkpoints, stop signals);
 finish() evaluates, exports <run_dir>/final as an HF model directory, plots and samples.
 """
-import json
 import math
 import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from training.config import check_group_overrides, lm_config, register_hydra, resolve_aliases
+from training.config import check_group_overrides, register_hydra, resolve_aliases
+from training.run import Run, setup
 
 register_hydra()
 
@@ -44,126 +42,6 @@ def main(cfg: DictConfig) -> float:
         print(message, file=sys.stderr)
         raise JobFailed(message)
     sys.exit(message)
-
-
-@dataclass
-class Run:
-    """What the loop needs: the config, Accelerate, data, the model (`lm` is the DecoderLM itself,
-    `model` what Accelerate prepared around it), the optimizer (as prepared; `optimizers` are the
-    torch optimizers inside it, whose state is checkpointed), and where the run stands."""
-    cfg: DictConfig
-    accelerator: object
-    run_dir: Path
-    data: object
-    lm: object
-    model: object
-    optimizer: object
-    optimizers: list
-    scheduler: object
-    micro: int             # sequences per process per micro-step
-    flops_per_token: float  # training (forward + backward)
-    peak: object           # training.perf.Peak of one device (MFU = achieved per device / peak.flops)
-    step: int
-    t_origin: float        # time/elapsed counts from here (moved back on resume)
-    last_ckpt: Path | None
-
-    @property
-    def tokens_per_step(self) -> int:
-        return self.cfg.trainer.batch_size * self.cfg.trainer.seq_len
-
-
-def setup(cfg: DictConfig) -> Run:
-    from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
-    from hydra.core.hydra_config import HydraConfig
-
-    from data import build_data
-    from model import DecoderLM
-    from training import checkpoint as ckpt
-    from training.metrics import init_wandb
-    from training.optim import build_optimizer, build_scheduler, torch_optimizers
-    from training.perf import device_peak
-
-    t_start = time.time()
-    tc = cfg.trainer
-    use_cuda = torch.cuda.is_available()
-    state = PartialState(cpu=not use_cuda)
-    world = state.num_processes
-    micro = tc.batch_size // (world * tc.grad_accum)
-    if micro * world * tc.grad_accum != tc.batch_size:
-        raise ValueError(f"trainer.batch_size={tc.batch_size} is not divisible by processes ({world}) x grad_accum ({tc.grad_accum})")
-
-    # One run directory for all ranks: the main process's.
-    run_dir = [cfg.run_dir or HydraConfig.get().runtime.output_dir]
-    broadcast_object_list(run_dir)
-    run_dir = Path(run_dir[0])
-    if state.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    set_seed(cfg.seed)
-
-    # Data: prepared by one process first, so the tokenizer/token caches are written once: the
-    # main process when the cache is one filesystem for all nodes, else each node's local main.
-    with state.main_process_first() if cfg.data.get("cache_shared") else state.local_main_process_first():
-        data = build_data(cfg.data, tc.seq_len, cfg.seed)
-    eos = data.tokenizer.eos_token_id if data.tokenizer is not None else None
-    lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
-    if tc.seq_len > lm.config.max_position_embeddings:
-        raise ValueError(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings={lm.config.max_position_embeddings}")
-    if cfg.init_from:
-        report = ckpt.load_matching_weights(lm, cfg.init_from)
-        state.print(f"init_from {cfg.init_from}: loaded {len(report['loaded'])} tensors; "
-                    f"new: {report['new'] or 'none'}; unused: {report['unused'] or 'none'}; "
-                    f"shape mismatch: {report['shape_mismatch'] or 'none'}")
-    if tc.trainable:
-        for name, p in lm.named_parameters():
-            p.requires_grad_(any(s in name for s in tc.trainable))
-        if not any(p.requires_grad for p in lm.parameters()):
-            raise ValueError(f"trainer.trainable={list(tc.trainable)} matches no parameter name")
-
-    # DDP searches the graph for parameters without gradients only where some can have none.
-    find_unused = lm.leaves_parameters_unused() or bool(tc.trainable)
-    accelerator = Accelerator(
-        cpu=not use_cuda, mixed_precision="bf16" if (use_cuda and tc.bf16) else "no",
-        log_with="wandb" if cfg.logger.name == "wandb" else None,
-        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
-    optimizer = build_optimizer(lm, cfg.optimizer, tc.lr, accelerator.distributed_type)
-    scheduler = build_scheduler(optimizer, tc)
-    model = torch.compile(lm) if (use_cuda and tc.compile) else lm
-    model, optimizer = accelerator.prepare(model, optimizer)
-    # The scheduler is not prepared: Accelerate would step it once per process.
-
-    counts = lm.parameter_counts()
-    if cfg.logger.name == "wandb":
-        init_wandb(accelerator, cfg, run_dir, counts)
-    if accelerator.is_main_process:
-        (run_dir / "run_info.json").write_text(json.dumps({
-            "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
-            "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
-            "train_flops_per_token": 3 * lm.flops_per_token(tc.seq_len), "processes": world,
-            "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
-            "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
-            "data": cfg.data.name, "data_info": data.info, "group": cfg.logger.get("group")}, indent=1))
-
-    run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
-              optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
-              scheduler=scheduler, micro=micro,
-              flops_per_token=3 * lm.flops_per_token(tc.seq_len),
-              peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
-              step=0, t_origin=t_start, last_ckpt=None)
-    resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
-    if resume_from is not None:
-        saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler)
-        run.step, run.last_ckpt = saved["step"], resume_from
-        run.t_origin -= saved["elapsed"]  # time/elapsed continues from where the checkpoint left off
-        accelerator.print(f"resumed from {resume_from} at step {run.step}"
-                          + (f" (saved by {saved['processes']} process(es), now {world})" if saved["processes"] != world else ""))
-    accelerator.print(
-        f"run_dir {run_dir} | {counts['total'] / 1e6:.2f}M params ({counts['active'] / 1e6:.2f}M active) | "
-        f"layers {lm.config.layer_mixers} x {lm.config.layer_ffns} | {len(data.train)} train / "
-        f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}")
-    accelerator.print(run.peak.describe())
-    return run
 
 
 def train_step(run: Run) -> tuple[float, dict, float]:
