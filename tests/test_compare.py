@@ -248,7 +248,7 @@ def test_experiment_declares_its_lr_axis():
     given = ["experiment=mqar", "attention=gdn,mamba2"]
     assert sweep.with_config_axes(given) == given + ["trainer.lr=1e-3,3e-3,1e-2,3e-2"]
     assert sweep.with_config_axes(["experiment=mqar", "trainer.lr=1e-2"]) == ["experiment=mqar", "trainer.lr=1e-2"]
-    assert sweep.with_config_axes(["experiment=mqar_quick"])[-1] == "trainer.lr=3e-3,1e-2"
+    assert sweep.with_config_axes(["experiment=mqar_quick"])[-1] == "trainer.lr=1e-3,3e-3,1e-2"
     assert sweep.with_config_axes(["experiment=compare"]) == ["experiment=compare"]
 
 
