@@ -101,18 +101,11 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module: nn.Module) -> None:
         """Blocks init themselves: a module that defines `init_parameters()` (every mixer, FFN and norm)
         initialises its own parameters as its reference does (model/layers.py). What no block owns is
-        initialised here. The embedding is N(0, 1/hidden_size): rows of unit expected norm, so that
-        with pre-norm blocks the token identity dominates the residual stream at init, and the tied
-        logits start at unit variance (PaLM's N(0, 1) embedding with 1/sqrt(d)-scaled logits gives the
-        same logits). GPT-2 / Llama / mamba_ssm / fla draw N(0, 0.02) instead, which at small widths
-        stalls the recurrent mixers on MQAR while our FFNs sit beside them (README, "MQAR after the
-        init fix"). An untied lm_head is N(0, initializer_range) (Llama).
+        initialised here: the embeddings and an untied lm_head, N(0, initializer_range) (GPT-2 / Llama).
         transformers applies this to every module, submodules first, and skips loaded weights."""
         if hasattr(module, "init_parameters"):
             module.init_parameters()
-        elif isinstance(module, nn.Embedding):
-            init.normal_(module.weight, mean=0.0, std=self.config.hidden_size ** -0.5)
-        elif module is self.lm_head:
+        elif isinstance(module, nn.Embedding) or module is self.lm_head:
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
 
     def _initialize_weights(self, module: nn.Module, is_custom_code: bool = False) -> None:

@@ -99,7 +99,7 @@ def test_ffns_init_as_llama_and_deepseek_v3(shared):
         assert_normal(mlp.gate_proj.weight, STD)
         assert_normal(mlp.up_proj.weight, STD)
         assert_normal(mlp.down_proj.weight, STD * RESIDUAL)
-    assert_normal(model.embed_tokens.weight, D ** -0.5)  # rows of unit expected norm (lm.py)
+    assert_normal(model.embed_tokens.weight, STD)
 
 
 @pytest.mark.parametrize("attention", MIXERS)
@@ -190,8 +190,8 @@ def test_mamba2_memory_path_at_least_mamba_ssm(d):
 
 def test_recurrent_mixers_leave_chance_on_tiny_mqar():
     """2 layers, d 64, 4 pairs in 32 tokens, 16 values: at chance the query loss is ln 16. Each recurrent
-    mixer at the trainer's default lr (trainer.lr in configs/train.yaml, here with AdamW) must get well
-    below it, and above chance accuracy, within 250 steps."""
+    mixer at the trainer's default lr (AdamW, configs/train.yaml) must get well below it, and above
+    chance accuracy, within 150 steps."""
     V, S, n = 32, 32, 4
     ids, labels = (torch.from_numpy(a) for a in mqar_slice(2304, S, n, V, 0.01, np.random.Generator(np.random.PCG64(0))))
     test_ids, test_labels = ids[-256:], labels[-256:]
@@ -202,9 +202,9 @@ def test_recurrent_mixers_leave_chance_on_tiny_mqar():
                                    max_position_embeddings=S, attention=attention,
                                    mixer_options={"mamba2": {"head_dim": 16, "state_size": 16, "chunk_size": 16},
                                                   "gdn": {"chunk_size": 16}}))
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
         order = torch.randperm(2048, generator=torch.Generator().manual_seed(1))
-        for step in range(250):
+        for step in range(150):
             rows = order[(step * 32) % 2048:][:32]
             loss = model(ids[rows], labels=labels[rows]).loss
             opt.zero_grad()

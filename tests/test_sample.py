@@ -22,13 +22,11 @@ def lm_and_tokenizer():
     tok.pre_tokenizer = WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
     torch.manual_seed(0)
-    # Untrained, every weight and the tied embedding drawn from N(0, 0.1): the current token's own
-    # embedding dominates its logits, so greedy decoding repeats one token.
+    # Untrained, tied embeddings: the current token's own embedding dominates its logits, so greedy
+    # decoding repeats one token.
     model = DecoderLM(LMConfig(vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                num_key_value_heads=2, intermediate_size=64, eos_token_id=0,
                                initializer_range=0.1)).eval()
-    with torch.no_grad():  # the embedding's N(0, 1/d) draw, rescaled to N(0, 0.1)
-        model.embed_tokens.weight.mul_(0.1 * 32 ** 0.5)
     return model, tokenizer
 
 
