@@ -101,13 +101,14 @@ def setup(cfg: DictConfig) -> Run:
     # The scheduler is not prepared: Accelerate would step it once per process.
 
     counts = lm.parameter_counts()
+    flops_per_token = 3 * lm.flops_per_token(tc.seq_len)  # training: forward + backward
     if cfg.logger.name == "wandb":
         init_wandb(accelerator, cfg, run_dir, counts)
     if accelerator.is_main_process:
         (run_dir / "run_info.json").write_text(json.dumps({
             "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
             "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
-            "train_flops_per_token": 3 * lm.flops_per_token(tc.seq_len), "processes": world,
+            "train_flops_per_token": flops_per_token, "processes": world,
             "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
             "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
             "data": cfg.data.name, "data_info": data.info, "group": cfg.logger.get("group")}, indent=1))
@@ -115,7 +116,7 @@ def setup(cfg: DictConfig) -> Run:
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
               optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
               scheduler=scheduler, micro=micro,
-              flops_per_token=3 * lm.flops_per_token(tc.seq_len),
+              flops_per_token=flops_per_token,
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
               step=0, t_origin=t_start, last_ckpt=None)
     resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)

@@ -1,20 +1,28 @@
 """What every op shares with the GPU kernels it stands in for: the optional kernel lookup, the dtype
 the kernels accumulate in, and the head layout they take (grouped heads repeated to the full count)."""
+import functools
 import importlib
 
 import torch
 
 
-def optional_kernel(module: str, name: str, x: torch.Tensor):
-    """`module.name` (e.g. "fla.ops.linear_attn", "chunk_linear_attn") when x is a CUDA tensor and the
-    module imports (fla needs Triton); else None, and the caller runs its PyTorch form. Looked up on
-    every call, so a wrapper set on the module (scripts/gpu_check.py counts kernel calls so) runs."""
-    if not x.is_cuda:
-        return None
+@functools.cache
+def _imported(module: str):
+    """The module, or None if it does not import: tried once per process, not in every forward (a
+    failed import is not cached by Python and searches sys.path again)."""
     try:
-        return getattr(importlib.import_module(module), name)
+        return importlib.import_module(module)
     except ImportError:
         return None
+
+
+def optional_kernel(module: str, name: str, x: torch.Tensor):
+    """`module.name` (e.g. "fla.ops.linear_attn", "chunk_linear_attn") when x is a CUDA tensor and the
+    module imports (fla needs Triton); else None, and the caller runs its PyTorch form. The attribute
+    is read on every call, so a wrapper set on the module (scripts/gpu_check.py counts kernel calls so) runs."""
+    if not x.is_cuda or (found := _imported(module)) is None:
+        return None
+    return getattr(found, name)
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
