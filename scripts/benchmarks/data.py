@@ -137,7 +137,6 @@ def train_rss_mb(corpus: Path, tok_dir: Path, cache: Path, run_dir: Path, hf_cac
 def loader_throughput(corpus: Path, tok_dir: Path, cache: Path) -> dict:
     """Batches of 8 x 256 assembled per second (global_batch + TokenWindows.batch), with and without
     document positions."""
-    import torch
     from omegaconf import OmegaConf
 
     from data import build_data
@@ -180,6 +179,12 @@ def default_model_tokens_per_sec() -> float:
     return 8 * 256 / sorted(times[1:])[len(times[1:]) // 2]
 
 
+def preparation_row(name: str, r: dict) -> list[str]:
+    """A table row of one preparing process's figures (run_script's JSON)."""
+    return [name, f"{r['seconds']:.1f}", f"{r['rss_main_mb']:.0f}", f"{r['anon_main_mb']:.0f}", f"{r['rss_worker_mb']:.0f}",
+            f"{r['tokens']:,}"]
+
+
 def run(quick: bool) -> str:
     from omegaconf import OmegaConf
 
@@ -207,12 +212,9 @@ def run(quick: bool) -> str:
     model_tok_s = default_model_tokens_per_sec()
 
     gb = big_bytes / 1e9
-    def row(name, r):
-        return [name, f"{r['seconds']:.1f}", f"{r['rss_main_mb']:.0f}", f"{r['anon_main_mb']:.0f}", f"{r['rss_worker_mb']:.0f}",
-                f"{r['tokens']:,}"]
-
-    rows = [row("peer (nanoGPT prepare: map num_proc=2 + uint16 memmap)", peer),
-            row("ours (data=local -> token store, num_proc=2)", ours), row("ours, the 5 MB corpus", ours_small)]
+    rows = [preparation_row("peer (nanoGPT prepare: map num_proc=2 + uint16 memmap)", peer),
+            preparation_row("ours (data=local -> token store, num_proc=2)", ours),
+            preparation_row("ours, the 5 MB corpus", ours_small)]
     report = [f"Preparation of a {gb:.2f} GB parquet corpus (stdlib copies), one BPE-8192 tokenizer, 2 processes:", "",
               markdown_table(["pipeline", "wall s", "peak RSS main MB", "of it anonymous (no mmap pages) MB",
                               "peak RSS worker MB", "tokens"], rows), "",
@@ -235,10 +237,9 @@ def prepare_ours(sizes_mb: list[int]) -> str:
     for mb in sizes_mb:
         corpus = make_corpus(WORK / f"corpus_{mb}MB", mb * 1_000_000)
         with tempfile.TemporaryDirectory(dir=WORK) as tmp:
-            r = run_script(OURS, str(corpus), str(WORK / "tokenizer"), str(Path(tmp) / "ours"), str(ROOT),
+            r = run_script(OURS, str(corpus), str(WORK / "tokenizer"), str(Path(tmp) / "ours"),
                            hf_cache=Path(tmp) / "hf")
-        rows.append([f"{mb} MB", f"{r['seconds']:.1f}", f"{r['rss_main_mb']:.0f}", f"{r['anon_main_mb']:.0f}",
-                     f"{r['rss_worker_mb']:.0f}", f"{r['tokens']:,}"])
+        rows.append(preparation_row(f"{mb} MB", r))
     from scripts.benchmarks.common import markdown_table
 
     return markdown_table(["corpus", "wall s", "peak RSS main MB", "of it anonymous MB", "peak RSS worker MB", "tokens"], rows)
