@@ -244,12 +244,14 @@ def test_sweep_expands_lr_and_seed_axes():
 
 
 def test_experiment_declares_its_lr_axis():
-    """experiment=mqar sweeps trainer.lr unless it is given; mqar_quick replaces the grid."""
+    """experiment=mqar sweeps trainer.lr unless it is given; mqar_quick and compare declare their own
+    grids; an experiment without one adds no axis."""
     given = ["experiment=mqar", "attention=gdn,mamba2"]
     assert sweep.with_config_axes(given) == given + ["trainer.lr=1e-3,3e-3,1e-2,3e-2"]
     assert sweep.with_config_axes(["experiment=mqar", "trainer.lr=1e-2"]) == ["experiment=mqar", "trainer.lr=1e-2"]
     assert sweep.with_config_axes(["experiment=mqar_quick"])[-1] == "trainer.lr=1e-3,3e-3,1e-2"
-    assert sweep.with_config_axes(["experiment=compare"]) == ["experiment=compare"]
+    assert sweep.with_config_axes(["experiment=compare"])[-1] == "trainer.lr=5e-3,1e-2,2e-2"
+    assert sweep.with_config_axes(["experiment=quick"]) == ["experiment=quick"]
 
 
 def test_compare_best_over_lr_with_seeds(tmp_path):
