@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     p.add_argument("--lr", type=float, default=1e-2)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--embed-std", type=float, help="re-draw our embedding from N(0, std) (transformers' Mamba2: 0.1)")
+    p.add_argument("--untied", action="store_true", help="our lm_head its own matrix, N(0, 0.02), not the embedding")
     p.add_argument("--ours-only", action="store_true", help="skip transformers' Mamba2")
     args = p.parse_args(argv)
     if args.block not in BLOCKS:
@@ -77,7 +78,7 @@ def main(argv=None) -> int:
     d = args.hidden_size
     torch.manual_seed(args.seed)
     ours = DecoderLM(LMConfig(vocab_size=data.vocab_size, hidden_size=d, num_hidden_layers=2, num_attention_heads=2,
-                              max_position_embeddings=64, mixer=args.block,
+                              max_position_embeddings=64, mixer=args.block, tie_word_embeddings=not args.untied,
                               mixer_options={"mamba2": {"head_dim": args.head_dim, "state_size": args.state_size}}))
     if args.embed_std is not None:
         torch.nn.init.normal_(ours.embed_tokens.weight, std=args.embed_std)
