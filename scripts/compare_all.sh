@@ -1,15 +1,17 @@
 #!/usr/bin/env bash
-# One command: every mixer x both FFNs on the embedded corpus (experiment=compare, active
-# parameters matched), every mixer x MQAR widths x the MQAR experiment's learning rates
-# (experiment=mqar_quick by default), then both reports, each architecture at its best lr
-# (compare.py --best-over trainer.lr; mean and min-max over seeds when SEEDS has several).
+# One command: every mixer x both FFNs x experiment=compare's learning rates on the embedded corpus
+# (active parameters matched), every mixer x MQAR widths x the MQAR experiment's learning rates
+# (experiment=mqar_quick by default), each over SEEDS, then both reports, each architecture at its
+# best lr (compare.py --best-over trainer.lr: mean and min-max over the seeds).
+# The defaults are 72 + 72 jobs: hours on 2 CPU cores (the README's tables ran subsets, with the
+# commands beside them).
 #   scripts/compare_all.sh [OUT]        (default multirun/compare_all/<date>_<time>)
 # Open OUT/report_corpus/compare.md and OUT/report_mqar/compare.md (tables + PNGs next to them).
 # Environment (defaults in brackets):
 #   MIXER [softmax,mamba2,gdn,derived_gdn,linear,dsa] (ATTENTION, its old name, also)   FFN [dense,moe]   (corpus grid)
 #   MQAR_FFN [dense]   WIDTHS [64,128]   MQAR_EXPERIMENT [mqar_quick; mqar: 1000 steps, 4 lrs]
 #                                                        (MQAR grid: MIXER x WIDTHS x the experiment's lrs)
-#   SEEDS [0]: seed axis of both grids, e.g. SEEDS=0,1,2
+#   SEEDS [0,1]: seed axis of both grids, e.g. SEEDS=0,1,2
 #   LAUNCHER [accelerate with a GPU, else python]   ACCELERATE_CONFIG [accelerate's default]
 #   JOBS [2 with the python launcher, else 1]: jobs at once, each on cpu_count/JOBS threads
 #   CORPUS_ARGS, MQAR_ARGS: extra train.py overrides, e.g. CORPUS_ARGS="trainer.max_steps=60 logger=none"
@@ -22,7 +24,7 @@ FFN=${FFN:-dense,moe}
 MQAR_FFN=${MQAR_FFN:-dense}
 WIDTHS=${WIDTHS:-64,128}
 MQAR_EXPERIMENT=${MQAR_EXPERIMENT:-mqar_quick}
-SEEDS=${SEEDS:-0}
+SEEDS=${SEEDS:-0,1}
 if [ -z "${LAUNCHER:-}" ]; then
   LAUNCHER=$(python -c "import torch; print('accelerate' if torch.cuda.is_available() else 'python')")
 fi

@@ -1,9 +1,12 @@
 """Timing and memory helpers shared by the benchmark suites."""
 import time
+from pathlib import Path
 
 import torch
 
 from training.perf import matmul_peak_gflops  # noqa: F401  (re-exported for the suites)
+
+ROOT = Path(__file__).resolve().parents[2]  # the repo
 
 
 def time_call(fn, warmup: int = 2, iters: int = 5) -> float:

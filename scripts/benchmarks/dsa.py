@@ -17,7 +17,6 @@ Model level: a 1-layer DecoderLM (d 256, 4 heads of 64, SwiGLU 768, vocab 512) w
 (top-k 256) vs mixer=softmax, fwd + bwd + AdamW at B 1, for 1 and for 4 KV heads.
 """
 import math
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,9 +28,8 @@ from model import DecoderLM, LMConfig
 from model.layers import RotaryEmbedding
 from model.mixers.dsa import indexer_kl
 from model.mixers.softmax import attend
-from scripts.benchmarks.common import cpu_times, markdown_table, matmul_peak_gflops, saved_activation_bytes
+from scripts.benchmarks.common import ROOT, cpu_times, markdown_table, matmul_peak_gflops, saved_activation_bytes
 
-ROOT = Path(__file__).resolve().parents[2]
 B, H, D, H_I, D_I, TOPK = 1, 4, 64, 4, 32, 256
 
 

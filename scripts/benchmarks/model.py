@@ -1,15 +1,18 @@
 """Whole-model training throughput: our softmax + dense DecoderLM beside transformers'
 LlamaForCausalLM of the same shape (4 layers, d=256, 4 heads, SwiGLU 768, vocab 512, untied),
-fwd + bwd + AdamW step at batch 8 x 256, interleaved in one run."""
+fwd + bwd + AdamW step at batch 8 x 256, interleaved in one run; and ours with the default
+optimizer=muon step, whose Newton-Schulz iterations add work that no model change removes."""
 import torch
+from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from model import DecoderLM, LMConfig
-from scripts.benchmarks.common import interleaved, markdown_table, matmul_peak_gflops
+from scripts.benchmarks.common import ROOT, interleaved, markdown_table, matmul_peak_gflops
+from training.optim import build_optimizer
 
 
-def train_step_fn(model, batch):
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+def train_step_fn(model, batch, opt=None):
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-4)
 
     def step():
         loss = model(input_ids=batch, labels=batch).loss
@@ -26,9 +29,12 @@ def run(quick: bool) -> str:
                  intermediate_size=768, max_position_embeddings=T, tie_word_embeddings=False)
     torch.manual_seed(0)
     ours = DecoderLM(LMConfig(**shape))
+    ours_muon = DecoderLM(LMConfig(**shape))
+    muon = build_optimizer(ours_muon, OmegaConf.load(ROOT / "configs" / "optimizer" / "muon.yaml"), lr=1e-4)
     llama = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
     batch = torch.randint(0, 512, (B, T))
-    steps = {"ours (softmax, dense)": train_step_fn(ours, batch), "transformers Llama (sdpa)": train_step_fn(llama, batch)}
+    steps = {"ours (softmax, dense)": train_step_fn(ours, batch), "transformers Llama (sdpa)": train_step_fn(llama, batch),
+             "ours (softmax, dense), optimizer=muon": train_step_fn(ours_muon, batch, muon)}
     times = interleaved(steps, rounds=3, iters=3 if quick else 10)  # peers take turns: noise hits both alike
     peak = matmul_peak_gflops()
     flops = 3 * ours.flops_per_token(T) * B * T
