@@ -462,7 +462,10 @@ def plot_best_over(archs: list[Architecture], key: str, out: Path) -> list[Path]
         means = a.means()
         ax.plot(list(means), list(means.values()), "-", color="tab:blue")
         ax.axvline(a.best(), color="tab:green", ls=":", label=f"best {key} = {a.best():g}")
-        if all(v > 0 for v in means):
+        log = all(v > 0 for v in means)
+        if len(means) == 1:  # one value: a window around it (matplotlib warns on an empty range)
+            ax.set_xlim(*((a.best() / 2, a.best() * 2) if log else (a.best() - 1, a.best() + 1)))
+        if log:
             ax.set_xscale("log")
         ax.set_xlabel(key)
         ax.set_ylabel("MQAR accuracy" if a.score == "mqar_acc" else "val loss (nats/token)")
