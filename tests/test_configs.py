@@ -105,3 +105,10 @@ def test_attention_is_the_mixer_on_the_command_line():
     new = compose_train("mixer=gdn", "mixer.options.chunk_size=16", "model.mixer=[gdn,softmax,gdn,softmax]")
     assert old == new and new.mixer.options.chunk_size == 16 and new.name == "gdn-dense-tiny"
     assert lm_config(new, 64, None).layer_mixers == ["gdn", "softmax", "gdn", "softmax"]
+
+
+def test_trainer_lr_defaults_to_the_optimizers_tuned_lr():
+    """Each optimizer carries the lr its sweep chose; trainer.lr takes it unless set."""
+    assert compose_train().trainer.lr == compose_train("optimizer=muon").optimizer.lr == 1e-2
+    assert compose_train("optimizer=adamw").trainer.lr == 3e-3
+    assert compose_train("optimizer=adamw", "trainer.lr=1e-3").trainer.lr == 1e-3
