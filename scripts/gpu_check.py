@@ -390,7 +390,7 @@ def check_train(mixers: list[str], steps: int, timeout_s: float) -> list[str]:
             if mfu is not None and mfu > 1:
                 out.append(f"MISMATCH train {mixer}: MFU {mfu:.2f} > 1 (the FLOP count or the peak table is wrong)")
     if rows:
-        print(f"  | mixer | tokens/s | MFU | peak mem GB | train loss (first -> last window) | wall s |")
+        print("  | mixer | tokens/s | MFU | peak mem GB | train loss (first -> last window) | wall s |")
         print("  |---|---|---|---|---|---|")
         for mixer, tok_s, mfu, mem, first, last, wall in rows:
             print(f"  | {mixer} | {tok_s:,.0f} | {'-' if mfu is None else f'{mfu:.1%}'} | {mem:.1f} | "

@@ -270,7 +270,7 @@ class _SparseAttention(torch.autograd.Function):
         q, k, v, o, p = ctx.saved_tensors
         sel, scale = ctx.sel, ctx.scale
         B, T, H, D = q.shape
-        S, Hkv, Dv = k.shape[1], k.shape[2], v.shape[3]
+        Hkv = k.shape[2]
         G = H // Hkv
         acc = p.dtype
         qh, kh, vh, dob = _head_major(q, acc), _head_major(k, acc), _head_major(v, acc), _head_major(do, acc)
