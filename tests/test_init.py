@@ -8,9 +8,11 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 
 from data.mqar import mqar_slice
 from model import DecoderLM, LMConfig
+from training.config import CONFIG_DIR
 
 STD, LAYERS, D = 0.02, 4, 128
 RESIDUAL = 1 / math.sqrt(2 * LAYERS)
@@ -190,8 +192,9 @@ def test_mamba2_memory_path_at_least_mamba_ssm(d):
 
 def test_recurrent_mixers_leave_chance_on_tiny_mqar():
     """2 layers, d 64, 4 pairs in 32 tokens, 16 values: at chance the query loss is ln 16. Each recurrent
-    mixer at the trainer's default lr (AdamW, configs/train.yaml) must get well below it, and above
-    chance accuracy, within 150 steps."""
+    mixer at AdamW's default lr (configs/optimizer/adamw.yaml, trainer.lr's default under AdamW) must
+    get well below it, and above chance accuracy, within 150 steps."""
+    adamw = OmegaConf.load(CONFIG_DIR / "optimizer" / "adamw.yaml")
     V, S, n = 32, 32, 4
     ids, labels = (torch.from_numpy(a) for a in mqar_slice(2304, S, n, V, 0.01, np.random.Generator(np.random.PCG64(0))))
     test_ids, test_labels = ids[-256:], labels[-256:]
@@ -202,7 +205,7 @@ def test_recurrent_mixers_leave_chance_on_tiny_mqar():
                                    max_position_embeddings=S, attention=attention,
                                    mixer_options={"mamba2": {"head_dim": 16, "state_size": 16, "chunk_size": 16},
                                                   "gdn": {"chunk_size": 16}}))
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        opt = torch.optim.AdamW(model.parameters(), lr=adamw.lr, betas=tuple(adamw.betas), weight_decay=adamw.weight_decay)
         order = torch.randperm(2048, generator=torch.Generator().manual_seed(1))
         for step in range(150):
             rows = order[(step * 32) % 2048:][:32]
