@@ -113,6 +113,14 @@ def test_sparse_path_returns_the_selected_attention_probs():
     torch.testing.assert_close(p, sa.selected_attention_probs(q, k, sel))
 
 
+def test_selection_hands_the_sparse_kernels_32_bit_indices():
+    """MKL / cuSPARSE take 32-bit indices; int64 ones are converted on every SDDMM / SpMM call."""
+    q, k, v = attention_inputs()
+    sel = sa.Selection(sa.index_topk(*indexer_inputs(), 4), k.shape[1])
+    for m in (sel.matrix(torch.ones(sel.rows, 4, dtype=F64)), sel.matrix_t(torch.ones(sel.rows, 4, dtype=F64))):
+        assert m.crow_indices().dtype == m.col_indices().dtype == torch.int32
+
+
 def test_attention_path_cost_model_logs_each_choice_once(caplog, monkeypatch):
     monkeypatch.setattr(sa, "_logged_choices", set())
     K, cost = 256, sa.SPARSE_KEY_COST["cpu"]

@@ -69,9 +69,13 @@ class Selection:
         B, T, K = indices.shape
         self.indices, self.num_keys = indices, num_keys
         self.valid = indices >= 0
+        # int32 positions where they fit: the sparse kernels (MKL, cuSPARSE) take 32-bit indices and
+        # would otherwise convert both index arrays on every call
+        fits = max(B * T * K, B * num_keys) < 2**31
+        self.index_dtype = torch.int32 if fits else torch.long
         base = torch.arange(B, device=indices.device).view(B, 1, 1) * num_keys
-        self.col = (indices.clamp(min=0) + base).flatten()
-        self.crow = torch.arange(0, B * T * K + 1, K, device=indices.device)
+        self.col = (indices.clamp(min=0) + base).flatten().to(self.index_dtype)
+        self.crow = torch.arange(0, B * T * K + 1, K, device=indices.device, dtype=self.index_dtype)
 
     @property
     def rows(self) -> int:
@@ -84,9 +88,9 @@ class Selection:
         B, T, K = self.indices.shape
         filled = self.valid.flatten().nonzero().squeeze(1)
         keys = self.col.index_select(0, filled)
-        src = filled.index_select(0, keys.int().sort(stable=True).indices)  # an int32 sort: twice as fast
-        query = torch.arange(B * T, device=keys.device).repeat_interleave(K).index_select(0, src)
-        crow = torch.zeros(B * self.num_keys + 1, dtype=torch.long, device=keys.device)
+        src = filled.index_select(0, keys.sort(stable=True).indices)
+        query = torch.arange(B * T, device=keys.device, dtype=self.index_dtype).repeat_interleave(K).index_select(0, src)
+        crow = torch.zeros(B * self.num_keys + 1, dtype=self.index_dtype, device=keys.device)
         crow[1:] = torch.bincount(keys, minlength=B * self.num_keys).cumsum(0)
         return crow, query, src
 
@@ -362,7 +366,6 @@ def selected_attention(q, k, v, indices, scale: float | None = None, with_probs:
     return o, (selected_attention_probs(q, k, indices, scale) if with_probs else None)
 
 
-@_own_precision
 # ---- detached attention probabilities (indexer targets and recall) ---------------------------------
 
 @_own_precision
