@@ -109,8 +109,8 @@ class Selection:
 
     def sampled_dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a [B T, D], b [B S, D] -> [B T, K]: a[row] . b[col] at each selected entry (an SDDMM)."""
-        zeros = a.new_zeros(self.col.numel())
-        out = torch.sparse.sampled_addmm(self.matrix(zeros), a, b.t(), beta=0.0)
+        out = self.matrix(a.new_zeros(self.col.numel()))
+        torch.sparse.sampled_addmm(out, a, b.t(), beta=0.0, out=out)  # in place: no copy of the structure
         return out.values().view(self.rows, -1)
 
 
