@@ -9,7 +9,7 @@
 # Open OUT/report_corpus/compare.md and OUT/report_mqar/compare.md (tables + PNGs next to them).
 # Environment (defaults in brackets):
 #   MIXER [softmax,mamba2,gdn,derived_gdn,linear,dsa] (ATTENTION, its old name, also)   FFN [dense,moe]   (corpus grid)
-#   MQAR_FFN [dense]   WIDTHS [64,128]   MQAR_EXPERIMENT [mqar_quick; mqar: 1000 steps, 4 lrs]
+#   MQAR_FFN [dense]   WIDTHS [64,128]   MQAR_EXPERIMENT [mqar_quick; mqar: 3000 steps, 4 lrs]
 #                                                        (MQAR grid: MIXER x WIDTHS x the experiment's lrs)
 #   SEEDS [0,1]: seed axis of both grids, e.g. SEEDS=0,1,2
 #   LAUNCHER [accelerate with a GPU, else python]   ACCELERATE_CONFIG [accelerate's default]
