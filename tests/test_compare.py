@@ -45,7 +45,8 @@ def test_match_params_equalises_active_counts():
 
 def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_cache):
     """python train.py -m attention=softmax,gdn (W&B offline): two jobs with the same data, seed and
-    tokens, two complete runs; then the compare.py CLI tables both (their wandb/ folders not twice)."""
+    tokens, each at its mixer's tuned lr, two complete runs; then the compare.py CLI tables both (their
+    wandb/ folders not twice)."""
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TINY, "trainer.max_steps=4", "logger=wandb",
                            "logger.mode=offline", "+experiment_name=tiny_sweep", "attention=softmax,gdn",
@@ -55,8 +56,11 @@ def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_c
     runs = sorted(p for p in sweep_dir.iterdir() if (p / "metrics.jsonl").exists())
     assert [p.name for p in runs] == ["0_softmax-dense-tiny", "1_gdn-dense-tiny"]
     configs = [yaml.safe_load((p / "config.yaml").read_text()) for p in runs]
-    assert configs[0]["trainer"] == configs[1]["trainer"] and configs[0]["seed"] == configs[1]["seed"]
-    assert configs[0]["data"] == configs[1]["data"]
+    for c in configs:
+        assert c["trainer"]["lr"] == c["mixer"]["lr"][c["optimizer"]["name"]]
+    assert configs[0]["trainer"]["lr"] != configs[1]["trainer"]["lr"]  # softmax and gdn are tuned apart
+    assert {**configs[0]["trainer"], "lr": None} == {**configs[1]["trainer"], "lr": None}
+    assert configs[0]["seed"] == configs[1]["seed"] and configs[0]["data"] == configs[1]["data"]
     assert configs[0]["logger"]["group"] == configs[1]["logger"]["group"] == "tiny_sweep"
     for p in runs:
         assert (p / "final" / "model.safetensors").exists() and list(p.glob("wandb/offline-run-*"))

@@ -107,8 +107,14 @@ def test_attention_is_the_mixer_on_the_command_line():
     assert lm_config(new, 64, None).layer_mixers == ["gdn", "softmax", "gdn", "softmax"]
 
 
-def test_trainer_lr_defaults_to_the_optimizers_tuned_lr():
-    """Each optimizer carries the lr its sweep chose; trainer.lr takes it unless set."""
-    assert compose_train().trainer.lr == compose_train("optimizer=muon").optimizer.lr == 1e-2
-    assert compose_train("optimizer=adamw").trainer.lr == 3e-3
-    assert compose_train("optimizer=adamw", "trainer.lr=1e-3").trainer.lr == 1e-3
+def test_trainer_lr_defaults_to_the_mixers_tuned_lr_for_the_optimizer():
+    """Each mixer group carries the lr its sweep chose per optimizer; trainer.lr takes it unless set."""
+    assert compose_train().trainer.lr == 1e-2  # the default recipe: softmax, Muon
+    assert compose_train("optimizer=adamw").trainer.lr == 1e-3
+    assert compose_train("mixer=gdn").trainer.lr == 2e-2
+    assert compose_train("mixer=gdn", "optimizer=adamw").trainer.lr == 3e-3
+    assert compose_train("mixer=gdn", "optimizer=adamw", "trainer.lr=1e-3").trainer.lr == 1e-3
+    for path in sorted((CONFIG_DIR / "mixer").glob("*.yaml")):
+        for optimizer in ("muon", "adamw"):
+            lr = OmegaConf.load(path).lr[optimizer]
+            assert compose_train(f"mixer={path.stem}", f"optimizer={optimizer}").trainer.lr == lr > 0

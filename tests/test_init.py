@@ -192,8 +192,8 @@ def test_mamba2_memory_path_at_least_mamba_ssm(d):
 
 def test_recurrent_mixers_leave_chance_on_tiny_mqar():
     """2 layers, d 64, 4 pairs in 32 tokens, 16 values: at chance the query loss is ln 16. Each recurrent
-    mixer at AdamW's default lr (configs/optimizer/adamw.yaml, trainer.lr's default under AdamW) must
-    get well below it, and above chance accuracy, within 150 steps."""
+    mixer at its default AdamW lr (trainer.lr's default under optimizer=adamw: lr.adamw in its
+    configs/mixer file) must get well below it, and above chance accuracy, within 150 steps."""
     adamw = OmegaConf.load(CONFIG_DIR / "optimizer" / "adamw.yaml")
     V, S, n = 32, 32, 4
     ids, labels = (torch.from_numpy(a) for a in mqar_slice(2304, S, n, V, 0.01, np.random.Generator(np.random.PCG64(0))))
@@ -205,7 +205,8 @@ def test_recurrent_mixers_leave_chance_on_tiny_mqar():
                                    max_position_embeddings=S, attention=attention,
                                    mixer_options={"mamba2": {"head_dim": 16, "state_size": 16, "chunk_size": 16},
                                                   "gdn": {"chunk_size": 16}}))
-        opt = torch.optim.AdamW(model.parameters(), lr=adamw.lr, betas=tuple(adamw.betas), weight_decay=adamw.weight_decay)
+        lr = OmegaConf.load(CONFIG_DIR / "mixer" / f"{attention}.yaml").lr.adamw
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(adamw.betas), weight_decay=adamw.weight_decay)
         order = torch.randperm(2048, generator=torch.Generator().manual_seed(1))
         for step in range(150):
             rows = order[(step * 32) % 2048:][:32]
