@@ -63,6 +63,11 @@ def dsa_loss(x: dict, with_kl: bool = True) -> torch.Tensor:
     return loss + indexer_kl(p, sa.index_scores_at(x["q_i"], x["k_i"], x["w"], sel)) if with_kl else loss
 
 
+def indexer_kl_loss(x: dict, idx: torch.Tensor) -> torch.Tensor:
+    """The sparse stage's indexer loss given the selection: KL(attention probs || indexer softmax)."""
+    return indexer_kl(sa.selected_attention_probs(x["q"], x["k"], idx), sa.index_scores_at(x["q_i"], x["k_i"], x["w"], idx))
+
+
 def fwd_bwd(loss_fn):
     return lambda: loss_fn().backward()
 
@@ -127,9 +132,7 @@ def components(T: int, rounds: int) -> tuple[str, dict]:
         "  index + top-k (no grad)": forward_only(lambda: selection(x)),
         "  sparse path fwd+bwd (given indices)": fwd_bwd(lambda: path_loss(x, idx, sa.sparse_attention)),
         "  masked path fwd+bwd (given indices)": fwd_bwd(lambda: path_loss(x, idx, sa.masked_attention)),
-        "  indexer KL fwd+bwd (given indices)": fwd_bwd(
-            lambda: indexer_kl(sa.selected_attention_probs(x["q"], x["k"], idx),
-                               sa.index_scores_at(x["q_i"], x["k_i"], x["w"], idx))),
+        "  indexer KL fwd+bwd (given indices)": fwd_bwd(lambda: indexer_kl_loss(x, idx)),
         "dense SDPA fwd": forward_only(lambda: dense_loss(x)),
         "DSA core fwd": forward_only(lambda: dsa_loss(x, with_kl=False)),
         "transformers DeepseekV32Indexer + top-k-masked SDPA fwd": hf_masked_peer(T),
@@ -224,9 +227,7 @@ def step_breakdown(T: int, rounds: int) -> str:
         "DSA core fwd+bwd": fwd_bwd(lambda: dsa_loss(x)),
         "  index + top-k (no grad)": forward_only(lambda: selection(x)),
         "  sparse path fwd+bwd (given indices)": fwd_bwd(lambda: path_loss(x, idx, sa.sparse_attention)),
-        "  indexer KL fwd+bwd (given indices)": fwd_bwd(
-            lambda: indexer_kl(sa.selected_attention_probs(x["q"], x["k"], idx),
-                               sa.index_scores_at(x["q_i"], x["k_i"], x["w"], idx))),
+        "  indexer KL fwd+bwd (given indices)": fwd_bwd(lambda: indexer_kl_loss(x, idx)),
     }, rounds)
     dense = t["dense SDPA fwd+bwd"]
     rows = [[name, f"{s:.2f}", "" if "model" in name else f"{s / dense:.2f}"] for name, s in t.items()]
