@@ -44,29 +44,56 @@ def test_index_scores_match_formula(blocks):
     torch.testing.assert_close(sa.index_scores(q_i, k_i, w), sa.naive_index_scores(q_i, k_i, w))
 
 
+@pytest.fixture(params=["numba", "torch"])
+def topk_kernel(request, monkeypatch):
+    """Run an index_topk test with the CPU kernel and with the torch ops that other devices run."""
+    if request.param == "torch":
+        monkeypatch.setattr(sa, "_numba_runs", lambda device: False)
+
+
+def assert_top_visible(idx, ref, first_visible, topk):
+    """Each query's selected keys are distinct, visible (first_visible[b, t] <= s <= t) and hold its
+    largest reference scores (compared as values: robust to ties)."""
+    B, T = ref.shape[:2]
+    for b in range(B):
+        for t in range(T):
+            lo = int(first_visible[b, t])
+            sel = idx[b, t][idx[b, t] >= 0]
+            assert len(sel) == min(topk, t + 1 - lo) and len(set(sel.tolist())) == len(sel)
+            assert lo <= int(sel.min()) and int(sel.max()) <= t
+            torch.testing.assert_close(ref[b, t, sel].sort().values, ref[b, t, lo: t + 1].sort().values[-len(sel):])
+
+
 @pytest.mark.parametrize("topk", [1, 5, 13, 20])
-def test_index_topk_selects_the_top_visible_keys(blocks, topk):
+def test_index_topk_selects_the_top_visible_keys(blocks, topk_kernel, topk):
     q_i, k_i, w = indexer_inputs()
     ref = sa.naive_index_scores(q_i, k_i, w).detach()
     idx = sa.index_topk(q_i, k_i, w, topk)
     T = ref.shape[1]
     assert idx.shape == (2, T, min(topk, T))
-    for b in range(2):
-        for t in range(T):
-            sel = idx[b, t][idx[b, t] >= 0]
-            assert len(sel) == min(topk, t + 1) and len(set(sel.tolist())) == len(sel)
-            assert int(sel.max()) <= t
-            # the selected scores are the largest ones (compared as values: robust to ties)
-            torch.testing.assert_close(ref[b, t, sel].sort().values, ref[b, t, : t + 1].sort().values[-len(sel):])
+    assert_top_visible(idx, ref, torch.zeros(2, T), topk)
     # queries at an offset (a prefill continuing a cache) select the same keys
     late = sa.index_topk(q_i[:, 6:], k_i, w[:, 6:], topk, offset=6)
     assert torch.equal(late.sort(-1).values, idx[:, 6:].sort(-1).values)
 
 
-def test_index_scores_at_match_dense_scores_values_and_grads(blocks):
+@pytest.mark.parametrize("topk", [2, 40])  # 40 > T: every query selects its whole document
+def test_index_topk_within_documents(topk_kernel, topk):
+    q_i, k_i, w = indexer_inputs(T=50)
+    starts = torch.zeros(2, 50, dtype=torch.bool)
+    starts[0, [0, 9, 10, 31]] = starts[1, [0, 44]] = True
+    segment_ids = starts.cumsum(1)
+    ref = sa.naive_index_scores(q_i, k_i, w).detach()
+    idx = sa.index_topk(q_i, k_i, w, topk, segment_ids=segment_ids)
+    first = torch.stack([torch.searchsorted(row, row) for row in segment_ids])  # each document's start
+    assert_top_visible(idx, ref, first, topk)
+
+
+@pytest.mark.parametrize("backend", sa.Selection.BACKENDS)
+def test_index_scores_at_match_dense_scores_values_and_grads(blocks, backend):
     q_i, k_i, w = indexer_inputs()
     idx = sa.index_topk(q_i, k_i, w, 4)
-    out = sa.index_scores_at(q_i, k_i, w, idx)
+    out = sa.index_scores_at(q_i, k_i, w, sa.Selection(idx, k_i.shape[1], backend))
     ref = sa.naive_index_scores(q_i, k_i, w).gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
     torch.testing.assert_close(out, ref)
     g = torch.randn(out.shape, dtype=F64).masked_fill(idx < 0, 0)
@@ -75,7 +102,12 @@ def test_index_scores_at_match_dense_scores_values_and_grads(blocks):
         torch.testing.assert_close(a, r)
 
 
-PATHS = {"sparse": sa.sparse_attention, "masked": sa.masked_attention}
+def sparse_on(backend):
+    return lambda q, k, v, idx: sa.sparse_attention(q, k, v, sa.Selection(idx, k.shape[1], backend))
+
+
+# the sparse path on each Selection backend (numba: CPU's default; csr: what CUDA runs, also on CPU)
+PATHS = {"sparse": sa.sparse_attention, "sparse_csr": sparse_on("csr"), "masked": sa.masked_attention}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -116,9 +148,59 @@ def test_sparse_path_returns_the_selected_attention_probs():
 def test_selection_hands_the_sparse_kernels_32_bit_indices():
     """MKL / cuSPARSE take 32-bit indices; int64 ones are converted on every SDDMM / SpMM call."""
     q, k, v = attention_inputs()
-    sel = sa.Selection(sa.index_topk(*indexer_inputs(), 4), k.shape[1])
+    idx = sa.index_topk(*indexer_inputs(), 4)
+    assert sa.Selection(idx, k.shape[1]).key_rows.dtype == torch.int32
+    sel = sa.Selection(idx, k.shape[1], "csr")
     for m in (sel.matrix(torch.ones(sel.rows, 4, dtype=F64)), sel.matrix_t(torch.ones(sel.rows, 4, dtype=F64))):
         assert m.crow_indices().dtype == m.col_indices().dtype == torch.int32
+
+
+@pytest.mark.parametrize("K", [4, 7])  # 7: _sampled_dots' 4-key blocks leave a remainder
+def test_cpu_kernels_match_einsum(K):
+    """sparse_cpu's products against dense gathers (float64), with empty slots and 2 KV heads of 3 query
+    heads each (the fused backward passes are checked through the ops, against the naive references)."""
+    from model.ops import sparse_cpu
+    g = torch.Generator().manual_seed(K)
+    R, N, H, Hkv, D = 11, 9, 6, 2, 5
+    a, b, c = (torch.randn(*s, generator=g, dtype=F64) for s in ((R, H, D), (N, Hkv, D), (R, H, K)))
+    idx = torch.randint(0, N, (R, K), generator=g, dtype=torch.int32)
+    idx[::3, 1] = -1
+    empty = idx < 0
+    gathered = b.repeat_interleave(H // Hkv, 1)[idx.clamp(min=0).long()]  # [R, K, H, D]
+    dots = torch.einsum("rhd,rkhd->rhk", a, gathered).masked_fill(empty[:, None], 0)
+    torch.testing.assert_close(sparse_cpu.sampled_dots(a, b, idx), dots)
+    c0 = c.masked_fill(empty[:, None], 0)
+    torch.testing.assert_close(sparse_cpu.gathered_sum(c, b, idx), torch.einsum("rhk,rkhd->rhd", c0, gathered))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_cpu_sparse_path_runs_the_numba_kernels(monkeypatch, threads):
+    """On CPU tensors the sparse path and the indexer scores go through sparse_cpu, fwd and bwd, and
+    with 2 threads the kernels that scatter into key rows sum one partial output per block of rows."""
+    from model.ops import sparse_cpu
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    calls = []
+    for name in ("sampled_dots", "gathered_sum", "attention_grads", "index_grads"):
+        fn = getattr(sparse_cpu, name)
+        monkeypatch.setattr(sparse_cpu, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+    q, k, v = attention_inputs()
+    q_i, k_i, w = indexer_inputs()
+    sel = sa.Selection(sa.index_topk(q_i, k_i, w, 4), k.shape[1])
+    assert sel.backend == "numba"
+    ref = sa.Selection(sel.indices, k.shape[1], "csr")
+    g = torch.randn(2, 13, 4, dtype=F64)
+    out = [sa.sparse_attention(q, k, v, s).sum() + (sa.index_scores_at(q_i, k_i, w, s).clamp(min=-1) * g).sum()
+           for s in (sel, ref)]
+    assert sorted(calls) == sorted(["sampled_dots", "gathered_sum", "sampled_dots"])  # fwd: attention, indexer
+    got, want = (torch.autograd.grad(o, (q, k, v, q_i, k_i, w)) for o in out)
+    assert sorted(calls) == sorted(["sampled_dots", "gathered_sum", "sampled_dots", "attention_grads", "index_grads"])
+    for a, r in zip(got, want):
+        torch.testing.assert_close(a, r)
+
+
+def test_selection_rejects_a_bad_backend():
+    with pytest.raises(ValueError, match="'dense'.*numba.*csr"):
+        sa.Selection(torch.zeros(1, 2, 1, dtype=torch.long), 2, "dense")
 
 
 def test_attention_path_cost_model_logs_each_choice_once(caplog, monkeypatch):
@@ -134,7 +216,7 @@ def test_attention_path_cost_model_logs_each_choice_once(caplog, monkeypatch):
         ["dsa attention: masked", "dsa attention: sparse"]  # each path logged once
 
 
-@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("path", ["sparse", "masked"])
 def test_selected_attention_runs_the_chosen_path(monkeypatch, path):
     q, k, v = attention_inputs()
     sel = sa.Selection(sa.index_topk(*indexer_inputs(), 4), k.shape[1])
@@ -240,7 +322,7 @@ def test_topk_at_least_T_equals_softmax_attention(stage):
         torch.testing.assert_close(a, r)
 
 
-@pytest.fixture(params=list(PATHS))
+@pytest.fixture(params=["sparse", "masked"])
 def forced_path(request, monkeypatch):
     """Run a mixer test with each attention path (the cost model would pick masked at these lengths)."""
     monkeypatch.setattr(sa, "attention_path", lambda *args: request.param)

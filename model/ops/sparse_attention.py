@@ -7,11 +7,11 @@ of Hkv), indexer q_i [B, T, H_I, d_I], shared indexer key k_i [B, S, d_I], head 
 Indexer score (scales folded into q_i and w by the caller):  I[t, s] = sum_j w[t, j] relu(q_i[t, j] . k_i[s]).
 
 Two paths compute attention over the selected keys, with the same outputs and gradients:
-  sparse (`sparse_attention`): the selection as a [B T, B S] CSR matrix of B T K entries; per query
-      head, logits = SDDMM (torch.sparse.sampled_addmm), softmax over each query's K entries, output
-      = SpMM (CSR @ dense). The hand-written backward is two more SpMMs per head through the CSR of
-      the transposed selection (built once per `Selection`), an SDDMM for dP, and an SpMM for dQ: no
-      gathered copies of keys, no scatter-add. Cost O(B T K H D); saves P, O(B T H K).
+  sparse (`sparse_attention`): per query row, logits = the selected keys' dot products (an SDDMM),
+      softmax over its K entries, output = the probability-weighted sum of the selected values (an
+      SpMM); the hand-written backward is one more SDDMM (dP), an SpMM (dQ) and two transposed SpMMs
+      (dK, dV), all through `Selection` (numba kernels on CPU, cuSPARSE elsewhere): no gathered copies
+      of keys in memory. Cost O(B T K H D); saves P, O(B T H K).
   masked (`masked_attention`): fused SDPA under the [T, S] boolean top-k mask, queries in blocks so
       each block reads only the keys it can see: dense FLOPs, O(T S H D), in the fused kernel.
 `selected_attention` picks the cheaper by `attention_path`'s cost model and logs the choice once per
@@ -28,12 +28,13 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from model.ops import sparse_cpu
 from model.ops.kernels import accumulation_dtype, repeat_heads
 
 logger = logging.getLogger(__name__)
 
 _BLOCK_ELEMS = 1 << 22  # temporaries per query block of the dense ops, in elements (16 MiB at fp32)
-_INDEX_BLOCK_ELEMS = 1 << 20  # indexer scores per query block: small enough to stay in cache
+_INDEX_BLOCK_ELEMS = 1 << 21  # indexer dot products per query block (8 MiB at fp32)
 
 
 def _own_precision(fn):
@@ -60,26 +61,92 @@ def causal_mask(T: int, S: int, offset: int, device) -> torch.Tensor:
 # ---- the selection as sparse matrices -----------------------------------------------------------
 
 class Selection:
-    """`indices` [B, T, K] over S keys as a CSR matrix [B T, B S] (row b T + t, column b S + s, exactly K
-    entries per row; an empty slot points at column b S with its value forced to 0) and, built on first
-    use, the CSR of its transpose over the non-empty entries. Build once per layer call and pass it to
-    every op of that call: the transpose costs one sort of the B T K column numbers."""
+    """`indices` [B, T, K] over S keys, prepared once per layer call for the three products of attention
+    restricted to the selected keys, over query rows r = b T + t and key rows n = b S + s:
+      dots(a [B T, H, D], b [B S, Hkv, D]) -> [B T, H, K]      a[r, h] . b[n_rj, h // G]       (SDDMM)
+      gathered_sum(c [B T, H, K], b [B S, Hkv, D]) -> [B T, H, D]   sum_j c[r, h, j] b[n_rj]   (SpMM)
+    (G = H / Hkv query heads per key head; empty slots contribute nothing, and dots are 0 there), and
+    the backward passes of the attention and of the indexer scores, `attention_grads` and `index_grads`.
+    backend "numba" (the default on CPU): model.ops.sparse_cpu's kernels on `key_rows`, which read each
+    selected key row once for a whole head group, the backward passes fused. "csr" (the default elsewhere: cuSPARSE): torch.sparse,
+    one head at a time, through the CSR [B T, B S] of the selection (exactly K entries per row; an empty
+    slot points at column b S with value 0) and, built on first use, the CSR of its transpose."""
 
-    def __init__(self, indices: torch.Tensor, num_keys: int):
+    BACKENDS = ("numba", "csr")
+
+    def __init__(self, indices: torch.Tensor, num_keys: int, backend: str | None = None):
         B, T, K = indices.shape
+        self.backend = backend or ("numba" if _numba_runs(indices.device) else "csr")
+        if self.backend not in self.BACKENDS:
+            raise ValueError(f"Selection backend {self.backend!r}: choose one of {self.BACKENDS}")
+        if self.backend == "numba" and indices.device.type != "cpu":
+            raise ValueError(f"Selection backend 'numba' runs on CPU tensors only, not {indices.device.type}")
         self.indices, self.num_keys = indices, num_keys
         self.valid = indices >= 0
-        # int32 positions where they fit: the sparse kernels (MKL, cuSPARSE) take 32-bit indices and
-        # would otherwise convert both index arrays on every call
+        # int32 positions where they fit: the sparse kernels (numba, MKL, cuSPARSE) then index with
+        # 32-bit numbers, and torch.sparse would otherwise convert both index arrays on every call
         fits = max(B * T * K, B * num_keys) < 2**31
         self.index_dtype = torch.int32 if fits else torch.long
         base = torch.arange(B, device=indices.device).view(B, 1, 1) * num_keys
-        self.col = (indices.clamp(min=0) + base).flatten().to(self.index_dtype)
-        self.crow = torch.arange(0, B * T * K + 1, K, device=indices.device, dtype=self.index_dtype)
+        if self.backend == "numba":
+            self.key_rows = (indices + base).masked_fill(~self.valid, -1).view(B * T, K).to(self.index_dtype)
+        else:
+            self.col = (indices.clamp(min=0) + base).flatten().to(self.index_dtype)
+            self.crow = torch.arange(0, B * T * K + 1, K, device=indices.device, dtype=self.index_dtype)
 
     @property
     def rows(self) -> int:
         return self.indices.shape[0] * self.indices.shape[1]
+
+    @property
+    def col_count(self) -> int:
+        return self.indices.shape[0] * self.num_keys
+
+    def dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.backend == "numba":
+            return sparse_cpu.sampled_dots(a, b, self.key_rows)
+        G = a.shape[1] // b.shape[1]
+        out = torch.stack([self._sampled_dots(a[:, h].contiguous(), b[:, h // G].contiguous())
+                           for h in range(a.shape[1])], 1)
+        return out.masked_fill_(~self.valid.view(self.rows, 1, -1), 0)
+
+    def gathered_sum(self, c: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        if self.backend == "numba":
+            return sparse_cpu.gathered_sum(c, b, self.key_rows)
+        G = c.shape[1] // b.shape[1]
+        c = self._zero_empty(c)
+        return torch.stack([self.matrix(c[:, h]) @ b[:, h // G] for h in range(c.shape[1])], 1)
+
+    def attention_grads(self, do, o, p, q, k, v, scale: float):
+        """The backward of o = softmax(scale dots(q, k)) gathered_sum'd over v, given p, rows as above:
+        (dq, dk, dv)."""
+        if self.backend == "numba":
+            return sparse_cpu.attention_grads(do, o, p, q, k, v, self.key_rows, scale)
+        delta = (do * o).sum(-1, keepdim=True)  # [B T, H, 1]: sum_j p_j dp_j
+        ds = p * (self.dots(do, v) - delta) * scale  # softmax backward, times d(logit)/d(q.k)
+        Hkv = k.shape[1]
+        return self.gathered_sum(ds, k), self._scattered_sum(ds, q, Hkv), self._scattered_sum(p, do, Hkv)
+
+    def index_grads(self, grad, dots, q, k, w):
+        """The backward of I = sum_h w_h relu(dots_h), dots = dots(q, k[:, None]) (k [B S, d]), given
+        grad [B T, K]: (dq, dk, dw)."""
+        if self.backend == "numba":
+            return sparse_cpu.index_grads(grad, dots, q, k, w, self.key_rows)
+        g = self._zero_empty(grad[:, None])
+        ddots = g * w[:, :, None] * (dots > 0)  # d relu(x) = [x > 0]
+        return self.gathered_sum(ddots, k[:, None]), self._scattered_sum(ddots, q, 1)[:, 0], (dots.relu() * g).sum(-1)
+
+    # ---- the csr backend
+
+    def _scattered_sum(self, c: torch.Tensor, a: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """c [B T, H, K], a [B T, H, D] -> [B S, Hkv, D]: the transpose of gathered_sum."""
+        G = c.shape[1] // kv_heads
+        c = self._zero_empty(c)
+        return torch.stack([sum(self.matrix_t(c[:, h]) @ a[:, h] for h in range(g * G, (g + 1) * G))
+                            for g in range(kv_heads)], 1)
+
+    def _zero_empty(self, c: torch.Tensor) -> torch.Tensor:
+        return c.masked_fill(~self.valid.view(self.rows, 1, -1), 0)
 
     @functools.cached_property
     def _transposed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -103,12 +170,8 @@ class Selection:
         crow, col, src = self._transposed
         return _csr(crow, col, values.reshape(-1).index_select(0, src), (self.col_count, self.rows))
 
-    @property
-    def col_count(self) -> int:
-        return self.indices.shape[0] * self.num_keys
-
-    def sampled_dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a [B T, D], b [B S, D] -> [B T, K]: a[row] . b[col] at each selected entry (an SDDMM)."""
+    def _sampled_dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a [B T, D], b [B S, D] -> [B T, K]: a[row] . b[col] at each selected entry (one head)."""
         out = self.matrix(a.new_zeros(self.col.numel()))
         torch.sparse.sampled_addmm(out, a, b.t(), beta=0.0, out=out)  # in place: no copy of the structure
         return out.values().view(self.rows, -1)
@@ -120,14 +183,18 @@ def _csr(crow, col, values, size) -> torch.Tensor:
         return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=False)
 
 
+def _numba_runs(device: torch.device) -> bool:
+    """Whether the numba kernels (model.ops.sparse_cpu) serve tensors on this device: CPU only."""
+    return device.type == "cpu"
+
+
 def _as_selection(indices, num_keys: int) -> Selection:
     return indices if isinstance(indices, Selection) else Selection(indices, num_keys)
 
 
-def _head_major(x: torch.Tensor, acc) -> torch.Tensor:
-    """[B, S, H, D] -> [H, B S, D] in acc dtype (contiguous per head, the dense operand of the SpMMs)."""
-    B, S, H, D = x.shape
-    return x.to(acc).permute(2, 0, 1, 3).reshape(H, B * S, D)
+def _rows(x: torch.Tensor, acc) -> torch.Tensor:
+    """[B, S, H, D] -> [B S, H, D] in acc dtype, contiguous: the kernels' layout."""
+    return x.to(acc).reshape(-1, *x.shape[2:]).contiguous()
 
 
 # ---- lightning indexer --------------------------------------------------------------------------
@@ -182,70 +249,71 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, offset: int = 0,
                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """indices [B, T, min(topk, S)] of the top-k visible keys by I per query, -1 where fewer than topk
-    keys are visible (so a prefix of <= topk keys is selected whole); with segment_ids [B, T] only the
-    query's own document is visible. Ties are broken arbitrarily.
-    Per block of queries: one GEMM for q_i k_i^T over the keys the block can see, relu in place, the
-    head-weighted sum as a batched [1, H_I] x [H_I, S] product, the future keys of the block's diagonal
-    set to -inf, then `topk_indices`."""
+    keys are visible (so a prefix of <= topk keys is selected whole); with segment_ids [B, T] (contiguous
+    documents, non-decreasing along T, as DocumentSegments gives) only the query's own document is
+    visible. Ties are broken arbitrarily.
+    Per block of queries: one GEMM for q_i k_i^T over the keys the block can see, then on CPU one numba
+    kernel (sparse_cpu.index_topk: relu, head-weighted sum and top-k over each query's visible keys in
+    one pass over the row); elsewhere relu in place, the head-weighted sum as a batched [1, H_I] x
+    [H_I, S] product, the invisible keys set to -inf, and `topk_indices`."""
     B, T, H_I, d = q_i.shape
     S = k_i.shape[1]
     K = min(topk, S)
     acc = accumulation_dtype(q_i.dtype)
     out = torch.full((B, T, K), -1, dtype=torch.long, device=q_i.device)
     kt = k_i.to(acc).transpose(1, 2)  # [B, d, S]
+    pos = torch.arange(offset, offset + T, device=q_i.device)
+    # first visible key of each query: its document's start
+    lo = (torch.zeros_like(pos).expand(B, T) if segment_ids is None
+          else torch.searchsorted(segment_ids.contiguous(), segment_ids.contiguous()))
     for t0, t1 in _blocks(T, H_I * S, _INDEX_BLOCK_ELEMS):
         n, S_blk = t1 - t0, offset + t1  # keys visible to the block's last query
-        dots = torch.bmm(q_i[:, t0:t1].to(acc).reshape(B, n * H_I, d), kt[:, :, :S_blk]).relu_()
-        scores = torch.matmul(w[:, t0:t1, None].to(acc), dots.view(B, n, H_I, S_blk)).squeeze(2)  # [B, n, S_blk]
-        scores[:, :, offset + t0:].masked_fill_(~causal_mask(n, n, 0, q_i.device), float("-inf"))
-        if segment_ids is not None:
-            scores.masked_fill_(segment_ids[:, t0:t1, None] != segment_ids[:, None, :S_blk], float("-inf"))
-        idx = topk_indices(scores, min(K, S_blk))
-        pos = torch.arange(offset + t0, offset + t1, device=q_i.device)
-        hidden = idx > pos[:, None]
-        if segment_ids is not None:
-            hidden |= scores.gather(-1, idx) == float("-inf")
-        out[:, t0:t1, : idx.shape[-1]] = idx.masked_fill(hidden, -1)
+        dots = torch.bmm(q_i[:, t0:t1].to(acc).reshape(B, n * H_I, d), kt[:, :, :S_blk]).view(B, n, H_I, S_blk)
+        for b in range(B):
+            if _numba_runs(q_i.device):
+                idx = sparse_cpu.index_topk(dots[b], w[b, t0:t1].to(acc), lo[b, t0:t1], pos[t0:t1], min(K, S_blk))
+            else:
+                idx = _block_topk(dots[b], w[b, t0:t1].to(acc), lo[b, t0:t1], pos[t0:t1], min(K, S_blk))
+            out[b, t0:t1, : idx.shape[-1]] = idx
     return out
+
+
+def _block_topk(dots, w, lo, hi, k):
+    """sparse_cpu.index_topk in torch ops (the path for non-CPU tensors)."""
+    scores = torch.matmul(w[:, None], dots.relu_()).squeeze(1)  # [n, S]
+    keys = torch.arange(scores.shape[-1], device=dots.device)
+    visible = (keys >= lo[:, None]) & (keys <= hi[:, None])
+    idx = topk_indices(scores.masked_fill_(~visible, float("-inf")), k)
+    return idx.masked_fill(~visible.gather(-1, idx), -1)
 
 
 class _IndexScoresAt(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_i, k_i, w, sel):
         acc = accumulation_dtype(q_i.dtype)
-        qh, kf = _head_major(q_i, acc), k_i.to(acc).flatten(0, 1)  # [H_I, B T, d], [B S, d]
-        dots = torch.stack([sel.sampled_dots(qh[j], kf) for j in range(qh.shape[0])])  # [H_I, B T, K]
-        wh = w.to(acc).permute(2, 0, 1).reshape(-1, sel.rows, 1)
-        scores = (dots.relu() * wh).sum(0).masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf"))
-        ctx.save_for_backward(q_i, k_i, w, dots)
-        ctx.sel = sel
+        qr, kr, wr = _rows(q_i, acc), _rows(k_i[:, :, None], acc), _rows(w, acc)  # [B T, H_I, d], [B S, 1, d]
+        dots = sel.dots(qr, kr)  # [B T, H_I, K]
+        scores = (dots.relu() * wr[:, :, None]).sum(1).masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf"))
+        ctx.save_for_backward(qr, kr, wr, dots)
+        ctx.sel, ctx.dtypes = sel, (q_i.dtype, k_i.dtype, w.dtype)
         return scores.view(sel.indices.shape)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
-        q_i, k_i, w, dots = ctx.saved_tensors
+        qr, kr, wr, dots = ctx.saved_tensors
         sel = ctx.sel
-        acc = dots.dtype
-        qh, kf = _head_major(q_i, acc), k_i.to(acc).flatten(0, 1)
-        wh = w.to(acc).permute(2, 0, 1).reshape(-1, sel.rows, 1)
-        g = grad.to(acc).reshape(sel.rows, -1).masked_fill(~sel.valid.view(sel.rows, -1), 0)  # empty slots are constant
-        dw = (dots.relu() * g).sum(-1)  # [H_I, B T]
-        dq = torch.empty_like(qh)
-        dk = torch.zeros_like(kf)
-        for j in range(qh.shape[0]):
-            ddots = g * wh[j] * (dots[j] > 0)  # d relu(x) = [x > 0]
-            dq[j] = sel.matrix(ddots) @ kf
-            dk += sel.matrix_t(ddots) @ qh[j]
-        B, T, H_I, d = q_i.shape
-        dq = dq.view(H_I, B, T, d).permute(1, 2, 0, 3)
-        return dq.to(q_i.dtype), dk.view(k_i.shape).to(k_i.dtype), dw.T.reshape(w.shape).to(w.dtype), None
+        dq, dk, dw = sel.index_grads(grad.to(dots.dtype).reshape(sel.rows, -1).contiguous(), dots, qr, kr[:, 0], wr)
+        B, T, S = sel.indices.shape[0], sel.indices.shape[1], sel.num_keys
+        q_dtype, k_dtype, w_dtype = ctx.dtypes
+        return dq.view(B, T, *qr.shape[1:]).to(q_dtype), dk.view(B, S, -1).to(k_dtype), dw.view(B, T, -1).to(w_dtype), None
 
 
 @_own_precision
 def index_scores_at(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, indices) -> torch.Tensor:
     """Indexer scores at the selected keys only: [B, T, K] (fp32), -inf in empty slots; differentiable
-    in q_i, k_i, w; O(T K H_I d_I) compute through SDDMM / SpMM (`indices` a tensor or its Selection)."""
+    in q_i, k_i, w; O(T K H_I d_I) compute through the Selection's sampled products (`indices` a tensor
+    or its Selection)."""
     return _IndexScoresAt.apply(q_i, k_i, w, _as_selection(indices, k_i.shape[1]))
 
 
@@ -255,41 +323,27 @@ class _SparseAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, sel, scale):
         B, T, H, _ = q.shape
-        Hkv, Dv = k.shape[2], v.shape[3]
-        G = H // Hkv
         acc = accumulation_dtype(q.dtype)
-        qh, kh, vh = _head_major(q, acc), _head_major(k, acc), _head_major(v, acc)
-        s = torch.stack([sel.sampled_dots(qh[h], kh[h // G]) for h in range(H)])  # [H, B T, K]
-        p = s.mul_(scale).masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf")).softmax(-1)
-        o = torch.stack([sel.matrix(p[h]) @ vh[h // G] for h in range(H)])  # [H, B T, Dv]
-        ctx.save_for_backward(q, k, v, o, p)
-        ctx.sel, ctx.scale = sel, scale
-        probs = p.mean(0).view(sel.indices.shape)  # head-averaged, the indexer's KL target
+        qr, kr, vr = _rows(q, acc), _rows(k, acc), _rows(v, acc)  # [B T, H, D], [B S, Hkv, D]
+        s = sel.dots(qr, kr)  # [B T, H, K]
+        p = s.mul_(scale).masked_fill_(~sel.valid.view(sel.rows, 1, -1), float("-inf")).softmax(-1)
+        o = sel.gathered_sum(p, vr)  # [B T, H, Dv]
+        ctx.save_for_backward(qr, kr, vr, o, p)
+        ctx.sel, ctx.scale, ctx.dtypes = sel, scale, (q.dtype, k.dtype, v.dtype)
+        probs = p.mean(1).view(sel.indices.shape)  # head-averaged, the indexer's KL target
         ctx.mark_non_differentiable(probs)
-        return o.view(H, B, T, Dv).permute(1, 2, 0, 3).to(q.dtype).contiguous(), probs
+        return o.view(B, T, H, -1).to(q.dtype), probs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, _):
-        q, k, v, o, p = ctx.saved_tensors
+        qr, kr, vr, o, p = ctx.saved_tensors
         sel, scale = ctx.sel, ctx.scale
-        B, T, H, D = q.shape
-        Hkv = k.shape[2]
-        G = H // Hkv
-        acc = p.dtype
-        qh, kh, vh, dob = _head_major(q, acc), _head_major(k, acc), _head_major(v, acc), _head_major(do, acc)
-        delta = (dob * o).sum(-1, keepdim=True)  # [H, B T, 1]: sum_j p_j dp_j
-        dq = torch.empty_like(qh)
-        dk, dv = torch.zeros_like(kh), torch.zeros_like(vh)
-        for h in range(H):
-            dp = sel.sampled_dots(dob[h], vh[h // G])
-            ds = p[h] * (dp - delta[h]) * scale  # softmax backward, times d(logit)/d(q.k); 0 in empty slots
-            dq[h] = sel.matrix(ds) @ kh[h // G]
-            dk[h // G] += sel.matrix_t(ds) @ qh[h]
-            dv[h // G] += sel.matrix_t(p[h]) @ dob[h]
-        by_token = lambda x, heads: x.view(heads, B, -1, x.shape[-1]).permute(1, 2, 0, 3)  # noqa: E731
-        return (by_token(dq, H).to(q.dtype), by_token(dk, Hkv).to(k.dtype), by_token(dv, Hkv).to(v.dtype),
-                None, None)
+        dq, dk, dv = sel.attention_grads(_rows(do, p.dtype), o, p, qr, kr, vr, scale)
+        B, T, S = sel.indices.shape[0], sel.indices.shape[1], sel.num_keys
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        return (dq.view(B, T, *dq.shape[1:]).to(q_dtype), dk.view(B, S, *dk.shape[1:]).to(k_dtype),
+                dv.view(B, S, *dv.shape[1:]).to(v_dtype), None, None)
 
 
 def _scale(q: torch.Tensor, scale: float | None) -> float:
@@ -372,16 +426,12 @@ def selected_attention(q, k, v, indices, scale: float | None = None, with_probs:
 @torch.no_grad()
 def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices, scale: float | None = None) -> torch.Tensor:
     """p [B, T, K]: softmax over the selected keys, averaged over heads (so L1-normalised), 0 in empty
-    slots; the sparse stage's indexer target (one SDDMM per head)."""
+    slots; the sparse stage's indexer target when the masked path ran (one sampled product)."""
     sel = _as_selection(indices, k.shape[1])
-    H, G = q.shape[2], q.shape[2] // k.shape[2]
     acc = accumulation_dtype(q.dtype)
-    qh, kh = _head_major(q, acc), _head_major(k, acc)
-    p = torch.zeros(sel.rows, sel.indices.shape[-1], dtype=acc, device=q.device)
-    for h in range(H):
-        s = sel.sampled_dots(qh[h], kh[h // G]).mul_(_scale(q, scale))
-        p += s.masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf")).softmax(-1)
-    return (p / H).view(sel.indices.shape)
+    s = sel.dots(_rows(q, acc), _rows(k, acc)).mul_(_scale(q, scale))  # [B T, H, K]
+    p = s.masked_fill_(~sel.valid.view(sel.rows, 1, -1), float("-inf")).softmax(-1).mean(1)
+    return p.view(sel.indices.shape)
 
 
 @_own_precision

@@ -1,0 +1,283 @@
+"""CPU kernels (numba) for the three products of attention over selected keys. The selection is
+idx [R, K] int32: for each of R query rows, K rows of the key tensors (-1 = empty slot, skipped). Query
+heads come in groups of G = H / Hkv that share a key head (GQA), and every kernel reads each selected
+key row once per query and uses it for all G heads of its group:
+
+  sampled_dots(a [R, H, D], b [N, Hkv, D], idx) -> [R, H, K]:  a[r, h] . b[idx[r, j], h // G]     (SDDMM)
+  gathered_sum(c [R, H, K], b [N, Hkv, D], idx) -> [R, H, D]:  sum_j c[r, h, j] b[idx[r, j], h // G] (SpMM)
+and the backward passes of attention over the selection (`attention_grads`) and of the indexer scores
+at it (`index_grads`), each one pass over every query's selected keys that also scatters into those
+key rows (the transposed SpMMs) while they are in cache; and the lightning indexer's top-k
+(`index_topk`).
+
+torch.sparse's CSR kernels (MKL) run one head at a time through a CSR matrix and gather every key row
+once per head, and torch ops cannot fuse the softmax backward or the relu into them; so these are
+written by hand. Loops run over query rows in parallel (numba's prange, as many threads as torch
+uses); a kernel that scatters into key rows gives each thread a contiguous block of query rows and
+its own output, summed at the end, so no two threads write the same row. Inputs are float32 or float64 (the kernel accumulates in that dtype), contiguous.
+"""
+import numba
+import numpy as np
+import torch
+from numba import njit, prange
+
+# fork-safe (a forked worker may call these after its parent did); the default OpenMP layer is not
+numba.config.THREADING_LAYER = "workqueue"
+
+_jit = njit(parallel=True, fastmath=True, cache=True)
+
+
+@njit(fastmath=True, inline="always")
+def _row_dots(a, b, idx, G, out):
+    """out[h, j] = a[h] . b[idx[j], h // G] for one query row (0 in empty slots)."""
+    H, D = a.shape
+    K = idx.shape[0]
+    K4 = K - K % 4
+    zero = out.dtype.type(0)
+    # four keys at a time: four independent accumulation chains per head
+    for j in range(0, K4, 4):
+        s0, s1, s2, s3 = max(idx[j], 0), max(idx[j + 1], 0), max(idx[j + 2], 0), max(idx[j + 3], 0)
+        for h in range(H):
+            g = h // G
+            c0 = c1 = c2 = c3 = zero
+            for d in range(D):
+                x = a[h, d]
+                c0 += x * b[s0, g, d]
+                c1 += x * b[s1, g, d]
+                c2 += x * b[s2, g, d]
+                c3 += x * b[s3, g, d]
+            out[h, j], out[h, j + 1], out[h, j + 2], out[h, j + 3] = c0, c1, c2, c3
+    for j in range(K4, K):
+        s = max(idx[j], 0)
+        for h in range(H):
+            c = zero
+            for d in range(D):
+                c += a[h, d] * b[s, h // G, d]
+            out[h, j] = c
+    for j in range(K):  # empty slots
+        if idx[j] < 0:
+            out[:, j] = 0
+
+
+@_jit
+def _sampled_dots(a, b, idx, out):
+    G = a.shape[1] // b.shape[1]
+    for r in prange(a.shape[0]):
+        _row_dots(a[r], b, idx[r], G, out[r])
+
+
+@_jit
+def _gathered_sum(c, b, idx, out):
+    R, H, K = c.shape
+    G = H // b.shape[1]
+    D = b.shape[2]
+    for r in prange(R):
+        out[r] = 0
+        for j in range(K):
+            s = idx[r, j]
+            if s < 0:
+                continue
+            for h in range(H):
+                w = c[r, h, j]
+                g = h // G
+                for d in range(D):
+                    out[r, h, d] += w * b[s, g, d]
+
+
+@_jit
+def _attention_grads(do, o, p, q, k, v, idx, scale, dq, dk, dv):
+    R, H, K = p.shape
+    P, _, Hkv, D = dk.shape  # P partial dk, dv: one per block of query rows
+    G = H // Hkv
+    rows = (R + P - 1) // P
+    zero = p.dtype.type(0)
+    for part in prange(P):
+        dk_p, dv_p = dk[part], dv[part]
+        dk_p[:] = 0
+        dv_p[:] = 0
+        delta, ds = np.empty(H, p.dtype), np.empty((H, K), p.dtype)
+        for r in range(part * rows, min(R, (part + 1) * rows)):
+            for h in range(H):  # delta_h = sum_j p_j dp_j = do_h . o_h
+                c = zero
+                for d in range(do.shape[2]):
+                    c += do[r, h, d] * o[r, h, d]
+                delta[h] = c
+            _row_dots(do[r], v, idx[r], G, ds)  # dP
+            for h in range(H):
+                for j in range(K):  # softmax backward, times d(logit)/d(q.k)
+                    ds[h, j] = p[r, h, j] * (ds[h, j] - delta[h]) * scale
+            dq[r] = 0
+            for j in range(K):
+                s = idx[r, j]
+                if s < 0:
+                    continue
+                for h in range(H):
+                    g, c, pj = h // G, ds[h, j], p[r, h, j]
+                    dq_h, q_h, do_h, k_s, dk_s, dv_s = dq[r, h], q[r, h], do[r, h], k[s, g], dk_p[s, g], dv_p[s, g]
+                    for d in range(D):
+                        dq_h[d] += c * k_s[d]
+                    for d in range(D):
+                        dk_s[d] += c * q_h[d]
+                    for d in range(do_h.shape[0]):
+                        dv_s[d] += pj * do_h[d]
+
+
+@_jit
+def _index_grads(grad, dots, q, k, w, idx, dq, dk, dw):
+    R, H_I, K = dots.shape
+    P, _, d_I = dk.shape  # P partial dk: one per block of query rows
+    rows = (R + P - 1) // P
+    for part in prange(P):
+        dk_p = dk[part]
+        dk_p[:] = 0
+        for r in range(part * rows, min(R, (part + 1) * rows)):
+            dq[r] = 0
+            dw[r] = 0
+            for j in range(K):
+                s, g = idx[r, j], grad[r, j]
+                if s < 0:
+                    continue
+                for h in range(H_I):
+                    x = dots[r, h, j]
+                    if x > 0:  # d relu(x) = [x > 0]
+                        dw[r, h] += x * g
+                        c = g * w[r, h]
+                        for d in range(d_I):
+                            dq[r, h, d] += c * k[s, d]
+                            dk_p[s, d] += c * q[r, h, d]
+
+
+def _threads() -> int:
+    n = min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)
+    numba.set_num_threads(n)
+    return n
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return x.detach().contiguous().numpy()
+
+
+def sampled_dots(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    out = a.new_empty(a.shape[0], a.shape[1], idx.shape[1])
+    _threads()
+    _sampled_dots(_np(a), _np(b), _np(idx), out.numpy())
+    return out
+
+
+def gathered_sum(c: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    out = c.new_empty(c.shape[0], c.shape[1], b.shape[2])
+    _threads()
+    _gathered_sum(_np(c), _np(b), _np(idx), out.numpy())
+    return out
+
+
+def _parts(rows: int) -> int:
+    """Blocks of query rows for the kernels that scatter into key rows: one per thread."""
+    return min(_threads(), max(1, rows))
+
+
+def attention_grads(do, o, p, q, k, v, idx, scale: float):
+    """Softmax attention's backward over the selection: do, o [R, H, Dv], p [R, H, K] (0 in empty
+    slots), q [R, H, D], k [N, Hkv, D], v [N, Hkv, Dv] -> dq [R, H, D], dk [N, Hkv, D], dv [N, Hkv, Dv].
+    dS = P (dP - delta) scale with dP = dO V_sel^T and delta = rowsum(dO o); dq = dS K_sel, and dS^T Q,
+    P^T dO scattered into the selected key rows: one pass over each query's selection."""
+    parts = _parts(p.shape[0])
+    dq = q.new_empty(q.shape)
+    dk, dv = k.new_empty(parts, *k.shape), v.new_empty(parts, *v.shape)
+    _attention_grads(_np(do), _np(o), _np(p), _np(q), _np(k), _np(v), _np(idx), _np(p).dtype.type(scale), dq.numpy(), dk.numpy(),
+                     dv.numpy())
+    return dq, dk.sum(0), dv.sum(0)
+
+
+def index_grads(grad, dots, q, k, w, idx):
+    """The backward of I[r, j] = sum_h w[r, h] relu(dots[r, h, j]), dots[r, h, j] = q[r, h] . k[idx[r, j]]:
+    grad [R, K] (ignored in empty slots), dots [R, H_I, K], q [R, H_I, d], k [N, d], w [R, H_I] ->
+    dq [R, H_I, d], dk [N, d], dw [R, H_I]."""
+    parts = _parts(dots.shape[0])
+    dq, dw, dk = q.new_empty(q.shape), w.new_empty(w.shape), k.new_empty(parts, *k.shape)
+    _index_grads(_np(grad), _np(dots), _np(q), _np(k), _np(w), _np(idx), dq.numpy(), dk.numpy(), dw.numpy())
+    return dq, dk.sum(0), dw
+
+
+@njit(fastmath=True, cache=True)
+def _largest_first(vals, pos, n, k):
+    """Reorder vals[:n] (and pos[:n] alike) in place so that the first k hold the k largest: quickselect
+    with Hoare partitions around a median-of-three pivot (ties may fall either side)."""
+    lo, hi = 0, n - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        x, y, z = vals[lo], vals[mid], vals[hi]
+        pivot = max(min(x, y), min(max(x, y), z))
+        i, j = lo, hi
+        while i <= j:
+            while vals[i] > pivot:
+                i += 1
+            while vals[j] < pivot:
+                j -= 1
+            if i <= j:
+                vals[i], vals[j] = vals[j], vals[i]
+                pos[i], pos[j] = pos[j], pos[i]
+                i += 1
+                j -= 1
+        if k - 1 <= j:  # [lo, j] >= pivot >= [i, hi]
+            hi = j
+        elif k - 1 >= i:
+            lo = i
+        else:
+            return
+
+
+@_jit
+def _index_topk(dots, w, lo, hi, out, parts):
+    n, H_I, S = dots.shape
+    K = out.shape[1]
+    zero = dots.dtype.type(0)
+    rows = (n + parts - 1) // parts
+    for p in prange(parts):  # one block of rows per thread, with its scratch allocated once
+        scores, vals = np.empty(S, dots.dtype), np.empty(S, dots.dtype)
+        keys, chunk = np.empty(S, np.int32), np.empty(S, np.int32)
+        for i in range(p * rows, min(n, (p + 1) * rows)):
+            a, L = lo[i], hi[i] - lo[i] + 1  # visible keys a .. hi[i]
+            if L <= K:
+                for j in range(K):
+                    out[i, j] = a + j if j < L else -1
+                continue
+            sc = scores[:L]  # I = sum_h w_h relu(dots_h) over the visible keys
+            d0, w0 = dots[i, 0, a:a + L], w[i, 0]
+            for s in range(L):
+                sc[s] = w0 * max(d0[s], zero)
+            for h in range(1, H_I):
+                dh, wh = dots[i, h, a:a + L], w[i, h]
+                for s in range(L):
+                    sc[s] += wh * max(dh[s], zero)
+            # Threshold: split the row into C > K chunks; the K-th largest chunk maximum tau is <= the
+            # K-th largest score (K distinct entries reach it), so the top K lie among the entries >= tau.
+            C = L // max(1, L // (2 * K))
+            maxima = vals[:C]
+            maxima[:] = sc[:C]
+            for r in range(1, L // C):  # chunk c = {c, C + c, 2 C + c, ...}: elementwise maxima of rows
+                row = sc[r * C:(r + 1) * C]
+                for c in range(C):
+                    maxima[c] = max(maxima[c], row[c])
+            _largest_first(maxima, chunk, C, K)
+            tau = maxima[0]
+            for c in range(1, K):
+                tau = min(tau, maxima[c])
+            m = 0
+            for s in range(L):  # the candidates (>= K of them), branch-free
+                x = sc[s]
+                vals[m], keys[m] = x, s
+                m += x >= tau
+            _largest_first(vals, keys, m, K)
+            for j in range(K):
+                out[i, j] = a + keys[j]
+
+
+def index_topk(dots: torch.Tensor, w: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, k: int) -> torch.Tensor:
+    """For a block of n queries: dots [n, H_I, S] = q_i . k_i per indexer head, w [n, H_I]; query i sees
+    keys lo[i] .. hi[i]. Returns [n, k] int64: the positions of its k highest scores
+    I = sum_h w_h relu(dots_h) among them (in no order; ties broken arbitrarily), all of them and -1
+    beyond when it sees <= k."""
+    out = torch.empty(dots.shape[0], k, dtype=torch.long)
+    _index_topk(_np(dots), _np(w), _np(lo), _np(hi), out.numpy(), _parts(dots.shape[0]))
+    return out
