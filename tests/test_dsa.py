@@ -155,22 +155,19 @@ def test_selection_hands_the_sparse_kernels_32_bit_indices():
         assert m.crow_indices().dtype == m.col_indices().dtype == torch.int32
 
 
-@pytest.mark.parametrize("K", [4, 7])  # 7: _sampled_dots' 4-key blocks leave a remainder
-def test_cpu_kernels_match_einsum(K):
-    """sparse_cpu's products against dense gathers (float64), with empty slots and 2 KV heads of 3 query
-    heads each (the fused backward passes are checked through the ops, against the naive references)."""
+@pytest.mark.parametrize("K", [4, 7])  # 7: the kernels' 4-key blocks leave a remainder
+def test_cpu_logits_match_einsum(K):
+    """sparse_cpu.logits against a dense gather (float64), with empty slots and 2 KV heads of 3 query
+    heads each (the other kernels are checked through the ops, against the naive references)."""
     from model.ops import sparse_cpu
     g = torch.Generator().manual_seed(K)
     R, N, H, Hkv, D = 11, 9, 6, 2, 5
-    a, b, c = (torch.randn(*s, generator=g, dtype=F64) for s in ((R, H, D), (N, Hkv, D), (R, H, K)))
+    a, b = torch.randn(R, H, D, generator=g, dtype=F64), torch.randn(N, Hkv, D, generator=g, dtype=F64)
     idx = torch.randint(0, N, (R, K), generator=g, dtype=torch.int32)
     idx[::3, 1] = -1
-    empty = idx < 0
     gathered = b.repeat_interleave(H // Hkv, 1)[idx.clamp(min=0).long()]  # [R, K, H, D]
-    dots = torch.einsum("rhd,rkhd->rhk", a, gathered).masked_fill(empty[:, None], 0)
-    torch.testing.assert_close(sparse_cpu.sampled_dots(a, b, idx), dots)
-    c0 = c.masked_fill(empty[:, None], 0)
-    torch.testing.assert_close(sparse_cpu.gathered_sum(c, b, idx), torch.einsum("rhk,rkhd->rhd", c0, gathered))
+    ref = 0.3 * torch.einsum("rhd,rkhd->rhk", a, gathered).masked_fill(idx[:, None] < 0, float("-inf"))
+    torch.testing.assert_close(sparse_cpu.logits(a, b, idx, 0.3), ref)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -180,7 +177,7 @@ def test_cpu_sparse_path_runs_the_numba_kernels(monkeypatch, threads):
     from model.ops import sparse_cpu
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     calls = []
-    for name in ("sampled_dots", "gathered_sum", "attention_grads", "index_grads"):
+    for name in ("logits", "gathered_sum", "softmax_grads", "scattered_sum", "index_scores", "index_grads"):
         fn = getattr(sparse_cpu, name)
         monkeypatch.setattr(sparse_cpu, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
     q, k, v = attention_inputs()
@@ -191,9 +188,10 @@ def test_cpu_sparse_path_runs_the_numba_kernels(monkeypatch, threads):
     g = torch.randn(2, 13, 4, dtype=F64)
     out = [sa.sparse_attention(q, k, v, s).sum() + (sa.index_scores_at(q_i, k_i, w, s).clamp(min=-1) * g).sum()
            for s in (sel, ref)]
-    assert sorted(calls) == sorted(["sampled_dots", "gathered_sum", "sampled_dots"])  # fwd: attention, indexer
+    assert sorted(calls) == ["gathered_sum", "index_scores", "logits"]  # fwd: attention, indexer
     got, want = (torch.autograd.grad(o, (q, k, v, q_i, k_i, w)) for o in out)
-    assert sorted(calls) == sorted(["sampled_dots", "gathered_sum", "sampled_dots", "attention_grads", "index_grads"])
+    assert sorted(calls) == ["gathered_sum"] * 2 + ["index_grads", "index_scores", "logits"] + ["scattered_sum"] * 2 \
+        + ["softmax_grads"]
     for a, r in zip(got, want):
         torch.testing.assert_close(a, r)
 

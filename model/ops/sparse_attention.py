@@ -61,16 +61,16 @@ def causal_mask(T: int, S: int, offset: int, device) -> torch.Tensor:
 # ---- the selection as sparse matrices -----------------------------------------------------------
 
 class Selection:
-    """`indices` [B, T, K] over S keys, prepared once per layer call for the three products of attention
-    restricted to the selected keys, over query rows r = b T + t and key rows n = b S + s:
-      dots(a [B T, H, D], b [B S, Hkv, D]) -> [B T, H, K]      a[r, h] . b[n_rj, h // G]       (SDDMM)
-      gathered_sum(c [B T, H, K], b [B S, Hkv, D]) -> [B T, H, D]   sum_j c[r, h, j] b[n_rj]   (SpMM)
-    (G = H / Hkv query heads per key head; empty slots contribute nothing, and dots are 0 there), and
-    the backward passes of the attention and of the indexer scores, `attention_grads` and `index_grads`.
-    backend "numba" (the default on CPU): model.ops.sparse_cpu's kernels on `key_rows`, which read each
-    selected key row once for a whole head group, the backward passes fused. "csr" (the default elsewhere: cuSPARSE): torch.sparse,
-    one head at a time, through the CSR [B T, B S] of the selection (exactly K entries per row; an empty
-    slot points at column b S with value 0) and, built on first use, the CSR of its transpose."""
+    """`indices` [B, T, K] over S keys, prepared once per layer call for the ops restricted to the
+    selected keys, over query rows r = b T + t and key rows n = b S + s, with G = H / Hkv query heads per
+    key head: `logits` (scale q[r, h] . k[n_rj, h // G], an SDDMM), `gathered_sum` (an SpMM) and
+    `scattered_sum` (its transpose), softmax `attention` over the selected keys and its backward
+    `attention_grads` from them, and the indexer's `index_scores` with `index_grads`.
+    backend "numba" (the default on CPU): the kernels of model.ops.sparse_cpu on `key_rows` ([B T, K] key
+    rows, -1 = empty), which read each selected key row once for a whole head group.
+    "csr" (the default elsewhere: cuSPARSE): torch.sparse, one head at a time, through the CSR [B T, B S]
+    of the selection (exactly K entries per row; an empty slot points at column b S with value 0) and,
+    built on first use, the CSR of its transpose, with the elementwise steps in torch ops."""
 
     BACKENDS = ("numba", "csr")
 
@@ -102,48 +102,70 @@ class Selection:
     def col_count(self) -> int:
         return self.indices.shape[0] * self.num_keys
 
-    def dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def logits(self, q: torch.Tensor, k: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [B T, H, D], k [B S, Hkv, D] -> [B T, H, K]: scale q[r, h] . k[n_rj, h // G], -inf in empty
+        slots (an SDDMM)."""
         if self.backend == "numba":
-            return sparse_cpu.sampled_dots(a, b, self.key_rows)
-        G = a.shape[1] // b.shape[1]
-        out = torch.stack([self._sampled_dots(a[:, h].contiguous(), b[:, h // G].contiguous())
-                           for h in range(a.shape[1])], 1)
-        return out.masked_fill_(~self.valid.view(self.rows, 1, -1), 0)
+            return sparse_cpu.logits(q, k, self.key_rows, scale)
+        return self._dots(q, k).mul_(scale).masked_fill_(~self.valid.view(self.rows, 1, -1), float("-inf"))
 
     def gathered_sum(self, c: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """c [B T, H, K], b [B S, Hkv, D] -> [B T, H, D]: sum_j c[r, h, j] b[n_rj, h // G] (an SpMM)."""
         if self.backend == "numba":
             return sparse_cpu.gathered_sum(c, b, self.key_rows)
         G = c.shape[1] // b.shape[1]
         c = self._zero_empty(c)
         return torch.stack([self.matrix(c[:, h]) @ b[:, h // G] for h in range(c.shape[1])], 1)
 
-    def attention_grads(self, do, o, p, q, k, v, scale: float):
-        """The backward of o = softmax(scale dots(q, k)) gathered_sum'd over v, given p, rows as above:
-        (dq, dk, dv)."""
+    def attention(self, q, k, v, scale: float):
+        """(p [B T, H, K], o [B T, H, Dv], probs [B T, K]): p = softmax over the selected keys of scale
+        dots(q, k) (0 in empty slots), o = gathered_sum(p, v), probs = p averaged over heads."""
+        p = self.logits(q, k, scale).softmax(-1)
+        return p, self.gathered_sum(p, v), p.mean(1)
+
+    def scattered_sum(self, c: torch.Tensor, a: torch.Tensor, kv_heads: int) -> torch.Tensor:
+        """c [B T, H, K], a [B T, H, D] -> [B S, Hkv, D]: the transpose of gathered_sum (an SpMM^T)."""
         if self.backend == "numba":
-            return sparse_cpu.attention_grads(do, o, p, q, k, v, self.key_rows, scale)
-        delta = (do * o).sum(-1, keepdim=True)  # [B T, H, 1]: sum_j p_j dp_j
-        ds = p * (self.dots(do, v) - delta) * scale  # softmax backward, times d(logit)/d(q.k)
-        Hkv = k.shape[1]
-        return self.gathered_sum(ds, k), self._scattered_sum(ds, q, Hkv), self._scattered_sum(p, do, Hkv)
-
-    def index_grads(self, grad, dots, q, k, w):
-        """The backward of I = sum_h w_h relu(dots_h), dots = dots(q, k[:, None]) (k [B S, d]), given
-        grad [B T, K]: (dq, dk, dw)."""
-        if self.backend == "numba":
-            return sparse_cpu.index_grads(grad, dots, q, k, w, self.key_rows)
-        g = self._zero_empty(grad[:, None])
-        ddots = g * w[:, :, None] * (dots > 0)  # d relu(x) = [x > 0]
-        return self.gathered_sum(ddots, k[:, None]), self._scattered_sum(ddots, q, 1)[:, 0], (dots.relu() * g).sum(-1)
-
-    # ---- the csr backend
-
-    def _scattered_sum(self, c: torch.Tensor, a: torch.Tensor, kv_heads: int) -> torch.Tensor:
-        """c [B T, H, K], a [B T, H, D] -> [B S, Hkv, D]: the transpose of gathered_sum."""
+            return sparse_cpu.scattered_sum(c, a, self.key_rows, self.col_count, kv_heads)
         G = c.shape[1] // kv_heads
         c = self._zero_empty(c)
         return torch.stack([sum(self.matrix_t(c[:, h]) @ a[:, h] for h in range(g * G, (g + 1) * G))
                             for g in range(kv_heads)], 1)
+
+    def attention_grads(self, do, o, p, q, k, v, scale: float):
+        """The backward of `attention` given do [B T, H, Dv]: (dq, dk, dv)."""
+        delta = (do * o).sum(-1)  # [B T, H]: sum_j p_j dp_j
+        if self.backend == "numba":
+            ds = sparse_cpu.softmax_grads(do, v, p, delta, self.key_rows, scale)
+        else:  # softmax backward, times d(logit)/d(q.k)
+            ds = p * (self._dots(do, v) - delta[:, :, None]) * scale
+        Hkv = k.shape[1]
+        return self.gathered_sum(ds, k), self.scattered_sum(ds, q, Hkv), self.scattered_sum(p, do, Hkv)
+
+    def index_scores(self, q, k, w):
+        """The indexer at the selection, q [B T, H_I, d], k [B S, 1, d], w [B T, H_I]: (dots [B T, H_I, K],
+        I = sum_h w_h relu(dots_h) [B T, K], -inf in empty slots)."""
+        if self.backend == "numba":
+            return sparse_cpu.index_scores(q, k, w, self.key_rows)
+        dots = self._dots(q, k)
+        return dots, (dots.relu() * w[:, :, None]).sum(1).masked_fill_(~self.valid.view(self.rows, -1), float("-inf"))
+
+    def index_grads(self, grad, dots, q, k, w):
+        """The backward of `index_scores` (k given as [B S, d]) given grad [B T, K]: (dq, dk, dw)."""
+        if self.backend == "numba":
+            return sparse_cpu.index_grads(grad, dots, q, k, w, self.key_rows)
+        g = self._zero_empty(grad[:, None])
+        ddots = g * w[:, :, None] * (dots > 0)  # d relu(x) = [x > 0]
+        return self.gathered_sum(ddots, k[:, None]), self.scattered_sum(ddots, q, 1)[:, 0], (dots.relu() * g).sum(-1)
+
+    # ---- the csr backend
+
+    def _dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """a [B T, H, D], b [B S, Hkv, D] -> [B T, H, K]: a[r, h] . b[n_rj, h // G], 0 in empty slots."""
+        G = a.shape[1] // b.shape[1]
+        out = torch.stack([self._sampled_dots(a[:, h].contiguous(), b[:, h // G].contiguous())
+                           for h in range(a.shape[1])], 1)
+        return out.masked_fill_(~self.valid.view(self.rows, 1, -1), 0)
 
     def _zero_empty(self, c: torch.Tensor) -> torch.Tensor:
         return c.masked_fill(~self.valid.view(self.rows, 1, -1), 0)
@@ -292,8 +314,7 @@ class _IndexScoresAt(torch.autograd.Function):
     def forward(ctx, q_i, k_i, w, sel):
         acc = accumulation_dtype(q_i.dtype)
         qr, kr, wr = _rows(q_i, acc), _rows(k_i[:, :, None], acc), _rows(w, acc)  # [B T, H_I, d], [B S, 1, d]
-        dots = sel.dots(qr, kr)  # [B T, H_I, K]
-        scores = (dots.relu() * wr[:, :, None]).sum(1).masked_fill_(~sel.valid.view(sel.rows, -1), float("-inf"))
+        dots, scores = sel.index_scores(qr, kr, wr)  # [B T, H_I, K], [B T, K]
         ctx.save_for_backward(qr, kr, wr, dots)
         ctx.sel, ctx.dtypes = sel, (q_i.dtype, k_i.dtype, w.dtype)
         return scores.view(sel.indices.shape)
@@ -325,12 +346,10 @@ class _SparseAttention(torch.autograd.Function):
         B, T, H, _ = q.shape
         acc = accumulation_dtype(q.dtype)
         qr, kr, vr = _rows(q, acc), _rows(k, acc), _rows(v, acc)  # [B T, H, D], [B S, Hkv, D]
-        s = sel.dots(qr, kr)  # [B T, H, K]
-        p = s.mul_(scale).masked_fill_(~sel.valid.view(sel.rows, 1, -1), float("-inf")).softmax(-1)
-        o = sel.gathered_sum(p, vr)  # [B T, H, Dv]
+        p, o, probs = sel.attention(qr, kr, vr, scale)  # [B T, H, K], [B T, H, Dv], [B T, K]
         ctx.save_for_backward(qr, kr, vr, o, p)
         ctx.sel, ctx.scale, ctx.dtypes = sel, scale, (q.dtype, k.dtype, v.dtype)
-        probs = p.mean(1).view(sel.indices.shape)  # head-averaged, the indexer's KL target
+        probs = probs.view(sel.indices.shape)  # head-averaged, the indexer's KL target
         ctx.mark_non_differentiable(probs)
         return o.view(B, T, H, -1).to(q.dtype), probs
 
@@ -429,8 +448,7 @@ def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices, scale: f
     slots; the sparse stage's indexer target when the masked path ran (one sampled product)."""
     sel = _as_selection(indices, k.shape[1])
     acc = accumulation_dtype(q.dtype)
-    s = sel.dots(_rows(q, acc), _rows(k, acc)).mul_(_scale(q, scale))  # [B T, H, K]
-    p = s.masked_fill_(~sel.valid.view(sel.rows, 1, -1), float("-inf")).softmax(-1).mean(1)
+    p = sel.logits(_rows(q, acc), _rows(k, acc), _scale(q, scale)).softmax(-1).mean(1)  # [B T, K]
     return p.view(sel.indices.shape)
 
 

@@ -1,20 +1,24 @@
-"""CPU kernels (numba) for the three products of attention over selected keys. The selection is
-idx [R, K] int32: for each of R query rows, K rows of the key tensors (-1 = empty slot, skipped). Query
-heads come in groups of G = H / Hkv that share a key head (GQA), and every kernel reads each selected
-key row once per query and uses it for all G heads of its group:
+"""CPU kernels (numba) for DSA: attention over selected keys and the lightning indexer. The selection
+is idx [R, K] int32: for each of R query rows, K rows of the key tensors (-1 = empty slot, skipped).
+Query heads come in groups of G = H / Hkv that share a key head (GQA); each kernel reads a selected
+key row once per query and uses it for all G heads of its group, in one pass over the row's selection:
 
-  sampled_dots(a [R, H, D], b [N, Hkv, D], idx) -> [R, H, K]:  a[r, h] . b[idx[r, j], h // G]     (SDDMM)
-  gathered_sum(c [R, H, K], b [N, Hkv, D], idx) -> [R, H, D]:  sum_j c[r, h, j] b[idx[r, j], h // G] (SpMM)
-and the backward passes of attention over the selection (`attention_grads`) and of the indexer scores
-at it (`index_grads`), each one pass over every query's selected keys that also scatters into those
-key rows (the transposed SpMMs) while they are in cache; and the lightning indexer's top-k
-(`index_topk`).
+  logits          scale q[r, h] . k[idx[r, j], h // G], -inf in empty slots                (an SDDMM)
+  softmax_grads   dS = P (dP - delta) scale, dP = do[r, h] . v[idx[r, j], h // G]         (an SDDMM)
+  gathered_sum    sum_j c[r, h, j] b[idx[r, j], h // G]                                  (an SpMM)
+  scattered_sum   its transpose: out[n, g] = sum over (r, j) selecting n of sum_{h in g} c a[r, h]
+  index_scores    I = sum_h w_h relu(q_h . k) at the selection
+  index_grads     its backward
+  index_topk      the top-k keys of each query by I, given the q_i k_i^T block from a GEMM
 
-torch.sparse's CSR kernels (MKL) run one head at a time through a CSR matrix and gather every key row
-once per head, and torch ops cannot fuse the softmax backward or the relu into them; so these are
-written by hand. Loops run over query rows in parallel (numba's prange, as many threads as torch
-uses); a kernel that scatters into key rows gives each thread a contiguous block of query rows and
-its own output, summed at the end, so no two threads write the same row. Inputs are float32 or float64 (the kernel accumulates in that dtype), contiguous.
+torch.sparse's CSR kernels (MKL) run one head at a time and gather every key row once per head, and
+the indexer's relu and head sum would be separate passes over [R, H_I, K] in torch ops; no library
+does these on CPU, so they are written by hand. (Fusing the attention's softmax and its backward into
+the products measured slower: numba's exp is scalar, and one pass through k, v, dk and dv rows at
+once misses cache more than three passes through one each.) Loops run over query rows in parallel
+(numba's prange, as many threads as torch uses); a kernel that scatters into key rows gives each
+thread a contiguous block of query rows and its own output, summed at the end, so no two threads
+write the same row. Inputs are contiguous float32 or float64, and the kernels accumulate in that dtype.
 """
 import numba
 import numpy as np
@@ -60,17 +64,29 @@ def _row_dots(a, b, idx, G, out):
 
 
 @_jit
-def _sampled_dots(a, b, idx, out):
-    G = a.shape[1] // b.shape[1]
-    for r in prange(a.shape[0]):
-        _row_dots(a[r], b, idx[r], G, out[r])
+def _logits(q, k, idx, scale, out):
+    G = q.shape[1] // k.shape[1]
+    for r in prange(q.shape[0]):
+        _row_dots(q[r], k, idx[r], G, out[r])
+        for j in range(idx.shape[1]):
+            for h in range(q.shape[1]):
+                out[r, h, j] = out[r, h, j] * scale if idx[r, j] >= 0 else -np.inf
+
+
+@_jit
+def _softmax_grads(do, v, p, delta, idx, scale, out):
+    G = do.shape[1] // v.shape[1]
+    for r in prange(do.shape[0]):
+        _row_dots(do[r], v, idx[r], G, out[r])  # dP
+        for h in range(do.shape[1]):
+            for j in range(idx.shape[1]):
+                out[r, h, j] = p[r, h, j] * (out[r, h, j] - delta[r, h]) * scale
 
 
 @_jit
 def _gathered_sum(c, b, idx, out):
     R, H, K = c.shape
     G = H // b.shape[1]
-    D = b.shape[2]
     for r in prange(R):
         out[r] = 0
         for j in range(K):
@@ -78,48 +94,45 @@ def _gathered_sum(c, b, idx, out):
             if s < 0:
                 continue
             for h in range(H):
-                w = c[r, h, j]
-                g = h // G
-                for d in range(D):
+                w, g = c[r, h, j], h // G
+                for d in range(out.shape[2]):
                     out[r, h, d] += w * b[s, g, d]
 
 
 @_jit
-def _attention_grads(do, o, p, q, k, v, idx, scale, dq, dk, dv):
-    R, H, K = p.shape
-    P, _, Hkv, D = dk.shape  # P partial dk, dv: one per block of query rows
+def _index_scores(q, k, w, idx, dots, scores):
+    R, H_I, K = dots.shape
+    zero = dots.dtype.type(0)
+    for r in prange(R):
+        _row_dots(q[r], k, idx[r], H_I, dots[r])  # H_I heads share the one indexer key
+        for j in range(K):
+            if idx[r, j] < 0:
+                scores[r, j] = -np.inf
+                continue
+            c = zero
+            for h in range(H_I):
+                c += w[r, h] * max(dots[r, h, j], zero)
+            scores[r, j] = c
+
+
+@_jit
+def _scattered_sum(c, a, idx, out):
+    R, H, K = c.shape
+    P, _, Hkv, D = out.shape  # P partial outputs: one per block of query rows
     G = H // Hkv
     rows = (R + P - 1) // P
-    zero = p.dtype.type(0)
     for part in prange(P):
-        dk_p, dv_p = dk[part], dv[part]
-        dk_p[:] = 0
-        dv_p[:] = 0
-        delta, ds = np.empty(H, p.dtype), np.empty((H, K), p.dtype)
+        o = out[part]
+        o[:] = 0
         for r in range(part * rows, min(R, (part + 1) * rows)):
-            for h in range(H):  # delta_h = sum_j p_j dp_j = do_h . o_h
-                c = zero
-                for d in range(do.shape[2]):
-                    c += do[r, h, d] * o[r, h, d]
-                delta[h] = c
-            _row_dots(do[r], v, idx[r], G, ds)  # dP
-            for h in range(H):
-                for j in range(K):  # softmax backward, times d(logit)/d(q.k)
-                    ds[h, j] = p[r, h, j] * (ds[h, j] - delta[h]) * scale
-            dq[r] = 0
             for j in range(K):
                 s = idx[r, j]
                 if s < 0:
                     continue
                 for h in range(H):
-                    g, c, pj = h // G, ds[h, j], p[r, h, j]
-                    dq_h, q_h, do_h, k_s, dk_s, dv_s = dq[r, h], q[r, h], do[r, h], k[s, g], dk_p[s, g], dv_p[s, g]
+                    w, g = c[r, h, j], h // G
                     for d in range(D):
-                        dq_h[d] += c * k_s[d]
-                    for d in range(D):
-                        dk_s[d] += c * q_h[d]
-                    for d in range(do_h.shape[0]):
-                        dv_s[d] += pj * do_h[d]
+                        o[s, g, d] += w * a[r, h, d]
 
 
 @_jit
@@ -157,10 +170,26 @@ def _np(x: torch.Tensor) -> np.ndarray:
     return x.detach().contiguous().numpy()
 
 
-def sampled_dots(a: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    out = a.new_empty(a.shape[0], a.shape[1], idx.shape[1])
+def _parts(rows: int) -> int:
+    """Blocks of query rows for the kernels that scatter into key rows or need scratch: one per thread."""
+    return min(_threads(), max(1, rows))
+
+
+def logits(q: torch.Tensor, k: torch.Tensor, idx: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [R, H, D], k [N, Hkv, D] -> [R, H, K]: scale q[r, h] . k[idx[r, j], h // G], -inf in empty slots."""
+    out = q.new_empty(q.shape[0], q.shape[1], idx.shape[1])
     _threads()
-    _sampled_dots(_np(a), _np(b), _np(idx), out.numpy())
+    _logits(_np(q), _np(k), _np(idx), _np(q).dtype.type(scale), out.numpy())
+    return out
+
+
+def softmax_grads(do: torch.Tensor, v: torch.Tensor, p: torch.Tensor, delta: torch.Tensor, idx: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """The gradient of softmax attention's q . k over the selection: dS = P (dP - delta) scale [R, H, K], with
+    dP = do[r, h] . v[idx[r, j], h // G] (do [R, H, Dv], p [R, H, K], delta [R, H] = sum_j P dP)."""
+    out = p.new_empty(p.shape)
+    _threads()
+    _softmax_grads(_np(do), _np(v), _np(p), _np(delta), _np(idx), _np(p).dtype.type(scale), out.numpy())
     return out
 
 
@@ -171,22 +200,20 @@ def gathered_sum(c: torch.Tensor, b: torch.Tensor, idx: torch.Tensor) -> torch.T
     return out
 
 
-def _parts(rows: int) -> int:
-    """Blocks of query rows for the kernels that scatter into key rows: one per thread."""
-    return min(_threads(), max(1, rows))
+def index_scores(q, k, w, idx):
+    """The lightning indexer at the selection: q [R, H_I, d], k [N, 1, d], w [R, H_I] ->
+    dots [R, H_I, K] = q . k_sel, scores [R, K] = sum_h w_h relu(dots_h) (-inf in empty slots)."""
+    dots, scores = q.new_empty(q.shape[0], q.shape[1], idx.shape[1]), q.new_empty(q.shape[0], idx.shape[1])
+    _threads()
+    _index_scores(_np(q), _np(k), _np(w), _np(idx), dots.numpy(), scores.numpy())
+    return dots, scores
 
 
-def attention_grads(do, o, p, q, k, v, idx, scale: float):
-    """Softmax attention's backward over the selection: do, o [R, H, Dv], p [R, H, K] (0 in empty
-    slots), q [R, H, D], k [N, Hkv, D], v [N, Hkv, Dv] -> dq [R, H, D], dk [N, Hkv, D], dv [N, Hkv, Dv].
-    dS = P (dP - delta) scale with dP = dO V_sel^T and delta = rowsum(dO o); dq = dS K_sel, and dS^T Q,
-    P^T dO scattered into the selected key rows: one pass over each query's selection."""
-    parts = _parts(p.shape[0])
-    dq = q.new_empty(q.shape)
-    dk, dv = k.new_empty(parts, *k.shape), v.new_empty(parts, *v.shape)
-    _attention_grads(_np(do), _np(o), _np(p), _np(q), _np(k), _np(v), _np(idx), _np(p).dtype.type(scale), dq.numpy(), dk.numpy(),
-                     dv.numpy())
-    return dq, dk.sum(0), dv.sum(0)
+def scattered_sum(c: torch.Tensor, a: torch.Tensor, idx: torch.Tensor, num_keys: int, kv_heads: int) -> torch.Tensor:
+    parts = _parts(c.shape[0])
+    out = c.new_empty(parts, num_keys, kv_heads, a.shape[2])
+    _scattered_sum(_np(c), _np(a), _np(idx), out.numpy())
+    return out[0] if parts == 1 else out.sum(0)
 
 
 def index_grads(grad, dots, q, k, w, idx):
