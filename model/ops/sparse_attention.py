@@ -34,7 +34,7 @@ from model.ops.kernels import accumulation_dtype, repeat_heads
 logger = logging.getLogger(__name__)
 
 _BLOCK_ELEMS = 1 << 22  # temporaries per query block of the dense ops, in elements (16 MiB at fp32)
-_INDEX_BLOCK_ELEMS = 1 << 21  # indexer dot products per query block (8 MiB at fp32)
+_INDEX_BLOCK_ELEMS = 1 << 22  # indexer dot products per query block (16 MiB at fp32: fits a 32 MiB L3)
 
 
 def _own_precision(fn):
@@ -405,15 +405,17 @@ def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices,
 
 # Time of the sparse path per selected key over the masked path's per visible key, both per query head
 # and fwd + bwd; the CPU figure is measured by `python scripts/bench.py dsa` (it prints both paths and
-# this model's pick). CUDA: unmeasured guess (cuSPARSE SDDMM/SpMM vs fused masked SDPA).
-SPARSE_KEY_COST = {"cpu": 4.0, "cuda": 30.0}
+# this model's pick) with as many KV heads as query heads, where the numba kernels share no key rows
+# between heads (fewer KV heads make the sparse path cheaper still). CUDA: unmeasured guess (cuSPARSE
+# SDDMM/SpMM vs fused masked SDPA).
+SPARSE_KEY_COST = {"cpu": 3.0, "cuda": 30.0}
 _logged_choices: set = set()
 
 
 def attention_path(T: int, S: int, K: int, heads: int, kv_heads: int, device_type: str) -> str:
     """"sparse" or "masked", whichever the cost model says is cheaper for T queries (the last T of S keys)
-    selecting K keys each. Both paths cost per query head (SDPA expands GQA; the sparse path runs an
-    SDDMM/SpMM per query head), so heads and KV heads scale both alike and the choice reduces to
+    selecting K keys each. Both paths cost about per query head (SDPA expands GQA; the sparse path does
+    an SDDMM/SpMM's work per query head), so heads and KV heads scale both alike and the choice reduces to
     K * SPARSE_KEY_COST[device] vs the mean keys a query block reads, S - T / 2. Logs the first use of
     each path per (device, top-k, heads, KV heads)."""
     masked_keys = S - T / 2

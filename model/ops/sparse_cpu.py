@@ -269,23 +269,27 @@ def _index_topk(dots, w, lo, hi, out, parts):
                 for j in range(K):
                     out[i, j] = a + j if j < L else -1
                 continue
-            sc = scores[:L]  # I = sum_h w_h relu(dots_h) over the visible keys
-            d0, w0 = dots[i, 0, a:a + L], w[i, 0]
-            for s in range(L):
-                sc[s] = w0 * max(d0[s], zero)
-            for h in range(1, H_I):
+            # I = sum_h w_h relu(dots_h) over the visible keys; the last head's pass also takes the
+            # maxima of C > K chunks. The K-th largest chunk maximum tau is <= the K-th largest score
+            # (K distinct entries reach it), so the top K lie among the entries >= tau.
+            sc = scores[:L]
+            C = L // max(1, L // (2 * K))
+            sc[:] = 0
+            for h in range(H_I - 1):
                 dh, wh = dots[i, h, a:a + L], w[i, h]
                 for s in range(L):
                     sc[s] += wh * max(dh[s], zero)
-            # Threshold: split the row into C > K chunks; the K-th largest chunk maximum tau is <= the
-            # K-th largest score (K distinct entries reach it), so the top K lie among the entries >= tau.
-            C = L // max(1, L // (2 * K))
+            dh, wh = dots[i, H_I - 1, a:a + L], w[i, H_I - 1]
             maxima = vals[:C]
-            maxima[:] = sc[:C]
-            for r in range(1, L // C):  # chunk c = {c, C + c, 2 C + c, ...}: elementwise maxima of rows
-                row = sc[r * C:(r + 1) * C]
+            maxima[:] = -np.inf
+            for r in range(L // C):  # chunk c = {c, C + c, 2 C + c, ...}: elementwise maxima of rows
+                row, d_row = sc[r * C:(r + 1) * C], dh[r * C:(r + 1) * C]
                 for c in range(C):
-                    maxima[c] = max(maxima[c], row[c])
+                    x = row[c] + wh * max(d_row[c], zero)
+                    row[c] = x
+                    maxima[c] = max(maxima[c], x)
+            for s in range(L // C * C, L):
+                sc[s] += wh * max(dh[s], zero)
             _largest_first(maxima, chunk, C, K)
             tau = maxima[0]
             for c in range(1, K):
