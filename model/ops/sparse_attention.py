@@ -291,20 +291,21 @@ def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int,
     for t0, t1 in _blocks(T, H_I * S, _INDEX_BLOCK_ELEMS):
         n, S_blk = t1 - t0, offset + t1  # keys visible to the block's last query
         dots = torch.bmm(q_i[:, t0:t1].to(acc).reshape(B, n * H_I, d), kt[:, :, :S_blk]).view(B, n, H_I, S_blk)
-        for b in range(B):
-            if _numba_runs(q_i.device):
-                idx = sparse_cpu.index_topk(dots[b], w[b, t0:t1].to(acc), lo[b, t0:t1], pos[t0:t1], min(K, S_blk))
-            else:
-                idx = _block_topk(dots[b], w[b, t0:t1].to(acc), lo[b, t0:t1], pos[t0:t1], min(K, S_blk))
-            out[b, t0:t1, : idx.shape[-1]] = idx
+        wb, k_blk = w[:, t0:t1].to(acc), min(K, S_blk)
+        if _numba_runs(q_i.device):
+            for b in range(B):
+                out[b, t0:t1, :k_blk] = sparse_cpu.index_topk(dots[b], wb[b], lo[b, t0:t1], pos[t0:t1], k_blk)
+        else:
+            out[:, t0:t1, :k_blk] = _block_topk(dots, wb, lo[:, t0:t1], pos[t0:t1], k_blk)
     return out
 
 
 def _block_topk(dots, w, lo, hi, k):
-    """sparse_cpu.index_topk in torch ops (the path for non-CPU tensors)."""
-    scores = torch.matmul(w[:, None], dots.relu_()).squeeze(1)  # [n, S]
+    """sparse_cpu.index_topk in torch ops, batched (the path for non-CPU tensors): dots [B, n, H_I, S],
+    w [B, n, H_I], lo [B, n], hi [n]."""
+    scores = torch.matmul(w[:, :, None], dots.relu_()).squeeze(2)  # [B, n, S]
     keys = torch.arange(scores.shape[-1], device=dots.device)
-    visible = (keys >= lo[:, None]) & (keys <= hi[:, None])
+    visible = (keys >= lo[..., None]) & (keys <= hi[:, None])
     idx = topk_indices(scores.masked_fill_(~visible, float("-inf")), k)
     return idx.masked_fill(~visible.gather(-1, idx), -1)
 

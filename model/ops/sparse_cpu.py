@@ -120,11 +120,11 @@ def _scattered_sum(c, a, idx, out):
     R, H, K = c.shape
     P, _, Hkv, D = out.shape  # P partial outputs: one per block of query rows
     G = H // Hkv
-    rows = (R + P - 1) // P
     for part in prange(P):
         o = out[part]
         o[:] = 0
-        for r in range(part * rows, min(R, (part + 1) * rows)):
+        r0, r1 = _row_block(part, P, R)
+        for r in range(r0, r1):
             for j in range(K):
                 s = idx[r, j]
                 if s < 0:
@@ -139,11 +139,11 @@ def _scattered_sum(c, a, idx, out):
 def _index_grads(grad, dots, q, k, w, idx, dq, dk, dw):
     R, H_I, K = dots.shape
     P, _, d_I = dk.shape  # P partial dk: one per block of query rows
-    rows = (R + P - 1) // P
     for part in prange(P):
         dk_p = dk[part]
         dk_p[:] = 0
-        for r in range(part * rows, min(R, (part + 1) * rows)):
+        r0, r1 = _row_block(part, P, R)
+        for r in range(r0, r1):
             dq[r] = 0
             dw[r] = 0
             for j in range(K):
@@ -158,6 +158,13 @@ def _index_grads(grad, dots, q, k, w, idx, dq, dk, dw):
                         for d in range(d_I):
                             dq[r, h, d] += c * k[s, d]
                             dk_p[s, d] += c * q[r, h, d]
+
+
+@njit(inline="always")
+def _row_block(part, parts, rows):
+    """Rows [start, stop) of block `part` of `parts` near-equal contiguous blocks of `rows` rows."""
+    n = (rows + parts - 1) // parts
+    return part * n, min(rows, (part + 1) * n)
 
 
 def _threads() -> int:
@@ -259,11 +266,11 @@ def _index_topk(dots, w, lo, hi, out, parts):
     n, H_I, S = dots.shape
     K = out.shape[1]
     zero = dots.dtype.type(0)
-    rows = (n + parts - 1) // parts
-    for p in prange(parts):  # one block of rows per thread, with its scratch allocated once
+    for part in prange(parts):  # one block of rows per thread, with its scratch allocated once
         scores, vals = np.empty(S, dots.dtype), np.empty(S, dots.dtype)
         keys, chunk = np.empty(S, np.int32), np.empty(S, np.int32)
-        for i in range(p * rows, min(n, (p + 1) * rows)):
+        i0, i1 = _row_block(part, parts, n)
+        for i in range(i0, i1):
             a, L = lo[i], hi[i] - lo[i] + 1  # visible keys a .. hi[i]
             if L <= K:
                 for j in range(K):
