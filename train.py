@@ -78,15 +78,18 @@ def train_step(run: Run) -> tuple[float, dict, float]:
 
 
 def evaluate(run: Run) -> dict:
-    """Val loss / ppl / bpb over the first eval_batches (every process evaluates its share) and the
-    data's own extra evaluation (MQAR accuracy)."""
+    """Val loss / ppl / bpb over the first eval_batches x batch_size val sequences, whatever the
+    process count (every process scores its share, in forwards of its micro-batch size), the number
+    of val tokens scored, and the data's own extra evaluation (MQAR accuracy)."""
     from training.evaluation import evaluate_split, summarize
 
     a, tc = run.accelerator, run.cfg.trainer
-    r = evaluate_split(run.lm, run.data.val, run.micro * tc.grad_accum, tc.eval_batches, a.device,
+    sequences = None if tc.eval_batches is None else tc.eval_batches * tc.batch_size
+    r = evaluate_split(run.lm, run.data.val, run.micro, sequences, a.device,
                        run.data.bytes_per_token, a.process_index, a.num_processes, a.autocast)
     sums = a.reduce(torch.stack([r["loss_sum"], r["count"]]), reduction="sum")
     out = summarize(sums[0].item(), sums[1].item(), run.data.bytes_per_token)
+    out["val/tokens"] = int(sums[1].item())
     out.update({f"val/{k}": v for k, v in r["aux"].items()})
     if run.data.extra_eval is not None:
         out.update(run.data.extra_eval(run.lm, a.device))

@@ -45,7 +45,7 @@ def evaluate(cfg: DictConfig) -> dict:
     if data.vocab_size > lm.config.vocab_size:
         raise ValueError(f"data vocab {data.vocab_size} exceeds the model's {lm.config.vocab_size}")
 
-    r = evaluate_split(lm, data.val, cfg.batch_size, cfg.batches, device, data.bytes_per_token, per_position=True)
+    r = evaluate_split(lm, data.val, cfg.batch_size, cfg.batches and cfg.batches * cfg.batch_size, device, data.bytes_per_token, per_position=True)
     report = summarize(r["loss_sum"].item(), r["count"].item(), data.bytes_per_token)
     report.update({f"val/{k}": v.item() if v.numel() == 1 else v.tolist() for k, v in r["aux"].items()})
     report["val_tokens"] = int(r["count"].item())

@@ -11,16 +11,17 @@ from training.metrics import perplexity
 
 
 @torch.no_grad()
-def evaluate_split(model, split: Split, batch_size: int, max_batches: int | None, device,
+def evaluate_split(model, split: Split, batch_size: int, max_sequences: int | None, device,
                    bytes_per_token: float | None, rank: int = 0, world: int = 1, autocast=None,
                    per_position: bool = False) -> dict:
-    """Token-weighted mean loss over the first max_batches * batch_size blocks (all if None), each
-    rank taking a contiguous share; returns sums so that callers can reduce across ranks. Every
+    """Token-weighted mean loss over the first max_sequences blocks of the split (all if None), each
+    rank taking a contiguous share in forwards of batch_size; returns sums so that callers can reduce
+    across ranks. The blocks scored depend only on max_sequences, never on the process count. Every
     rank runs the same number of forwards (a rank whose share is one batch short runs a filler
     batch it does not count), as a model sharded by FSDP needs all ranks in each forward."""
     was_training = model.training
     model.eval()
-    n = len(split) if max_batches is None else min(len(split), max_batches * batch_size)
+    n = len(split) if max_sequences is None else min(len(split), max_sequences)
     shares = torch.arange(n).tensor_split(world)
     share = shares[rank]
     batches_per_rank = -(-len(shares[0]) // batch_size)
