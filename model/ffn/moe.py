@@ -7,8 +7,9 @@
 
 Each routed expert is computed only on the tokens that selected it: the (token, slot) assignments
 are sorted by expert, the tokens gathered once into that order, each expert runs on its contiguous
-slice, and the gate-weighted outputs are added back to their tokens. On CUDA the slices go through
-torch._grouped_mm (a fused kernel for bf16 on sm90+, torch's per-group loop otherwise); on CPU
+slice, and the gate-weighted outputs are added back to their tokens. On CUDA, for bf16 experts with
+16-byte rows (`grouped_mm_takes`), the slices go through torch._grouped_mm (a fused kernel on sm90+,
+torch's per-group loop otherwise); otherwise, and on CPU,
 through a loop over the experts that received tokens, one autograd node with a hand-written
 backward. With k = 1 and norm_topk_prob the gate is always 1, so the router then learns only from
 the balance loss.
@@ -145,8 +146,7 @@ class MoE(nn.Module):
         # Experts run in the autocast dtype when autocast is on (as nn.Linear would), else in x's.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         xs, w_gu, w_d = xs.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
-        row_bytes = min(self.hidden_size, self.expert_size) * xs.element_size()
-        if x.is_cuda and hasattr(torch, "_grouped_mm") and row_bytes % 16 == 0:  # grouped mm needs 16-byte rows
+        if x.is_cuda and grouped_mm_takes(dtype, self.hidden_size, self.expert_size):
             ys = experts_grouped_mm(xs, w_gu, w_d, counts)
         else:
             ys = ExpertsLoop.apply(xs, w_gu, w_d, counts.tolist())
@@ -211,6 +211,13 @@ class MoE(nn.Module):
     def inactive_parameters(self) -> int:
         """Routed-expert parameters a token does not use: (E - k) experts."""
         return (self.num_experts - self.top_k) * 3 * self.hidden_size * self.expert_size
+
+
+def grouped_mm_takes(dtype: torch.dtype, d: int, f: int) -> bool:
+    """Whether torch._grouped_mm takes the experts' operands (the checks of its meta function, which
+    torch.compile runs; the eager kernel fails on misaligned rows too): bf16 only, and every operand's
+    rows a multiple of 16 bytes, xs [S, d], W_gu [E, d, 2f], silu(gate) up [S, f], W_d [E, f, d]: both d and f."""
+    return dtype == torch.bfloat16 and d % 8 == 0 and f % 8 == 0  # 8 bf16 = 16 bytes
 
 
 def experts_grouped_mm(xs: torch.Tensor, w_gu: torch.Tensor, w_d: torch.Tensor, counts: torch.Tensor):
