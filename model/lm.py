@@ -61,9 +61,9 @@ class Block(nn.Module):
         self.ffn = FFNS.get(config.layer_ffns[layer_idx])(config, layer_idx)
 
     def forward(self, x: torch.Tensor, cache: dict | None, aux: AuxCollector,
-                segments: DocumentSegments | None = None) -> torch.Tensor:
+                segments: DocumentSegments | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x), cache, aux, segments)
-        return x + self.ffn(self.ffn_norm(x), aux)
+        return x + self.ffn(self.ffn_norm(x), aux, input_ids)
 
 
 class DecoderLM(PreTrainedModel, GenerationMixin):
@@ -154,7 +154,7 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
             if past_key_values is not None:
                 cache = past_key_values.layers[i]
                 cache["offset"] = offset
-            x = block(x, cache, aux, segments)
+            x = block(x, cache, aux, segments, input_ids)
         if past_key_values is not None:
             past_key_values.seen_tokens = offset + T
         x = self.norm(x)

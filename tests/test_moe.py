@@ -48,12 +48,12 @@ def naive_moe(m: MoE, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(xf)
     for t in range(N):
         logits = m.router.weight @ xf[t]
-        s = torch.softmax(logits, 0) if m.score_func == "softmax" else torch.sigmoid(logits)
+        s = torch.softmax(logits, 0) if m.router.score_func == "softmax" else torch.sigmoid(logits)
         choice = s + (m.expert_bias if m.aux_free_bias else 0)
         chosen = sorted(range(E), key=lambda i: -float(choice[i]))[:k]
         total = sum(s[i] for i in chosen)
         for i in chosen:
-            g = (s[i] / total if m.norm_topk_prob else s[i]) * m.route_scale
+            g = (s[i] / total if m.router.norm_topk_prob else s[i]) * m.router.route_scale
             if used[i] >= capacity:
                 continue
             used[i] += 1
@@ -193,8 +193,9 @@ def test_aux_free_bias_balances_a_skewed_router():
     assert "expert_bias" in m.state_dict() and not m.expert_bias.requires_grad
     m(x).sum().backward()
     assert m.expert_bias.grad is None
-    _, scores, experts, gates = m.route(x)
-    torch.testing.assert_close(gates, scores.gather(-1, experts) / scores.gather(-1, experts).sum(-1, keepdim=True))
+    routing = m.router(x, None, m.expert_bias)
+    scores = m.router.scores(x)[1].gather(-1, routing.expert.view(-1, 2))
+    torch.testing.assert_close(routing.gate.view(-1, 2), scores / scores.sum(-1, keepdim=True))
 
 
 def test_bias_update_rule():
@@ -312,7 +313,7 @@ def test_autocast_bf16_runs_experts_in_bf16_and_routes_in_fp32():
     ref = m(x)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(x)
-        assert m.route(x)[0].dtype == torch.float32
+        assert m.router(x).logits.dtype == torch.float32
     assert y.dtype == torch.bfloat16
     torch.testing.assert_close(y.float(), ref, rtol=5e-2, atol=5e-2)
     y.float().sum().backward()

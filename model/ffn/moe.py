@@ -1,30 +1,47 @@
 """Mixture-of-Experts FFN: fine-grained routed SwiGLU experts plus optional shared experts.
 
-    s_t = softmax(x_t W_r^T)  or  sigmoid(x_t W_r^T)              router scores, fp32 (at least)
-    K_t = topk_i(s_{t,i} + b_i)                                   b: aux-free bias, selection only
-    g_{t,i} = route_scale * s_{t,i} [/ sum_{j in K_t} s_{t,j}]    renormalised if norm_topk_prob
-    y_t = Shared(x_t) + sum_{i in K_t} g_{t,i} E_i(x_t),  E_i(x) = (silu(x W_g,i) * x W_u,i) W_d,i
+    (t_s, e_s, g_s), s = 1..S = router(x, token ids)           the assignments: token t_s goes to expert e_s with gate g_s
+    y_t = Shared(x_t) + sum_{s: t_s = t} g_s E_{e_s}(x_t),     E_i(x) = (silu(x W_g,i) * x W_u,i) W_d,i
 
-Each routed expert is computed only on the tokens that selected it: the (token, slot) assignments
-are sorted by expert, the tokens gathered once into that order, each expert runs on its contiguous
-slice, and the gate-weighted outputs are added back to their tokens. On CUDA, for bf16 experts with
-16-byte rows (`grouped_mm_takes`), the slices go through torch._grouped_mm (a fused kernel on sm90+,
-torch's per-group loop otherwise); otherwise, and on CPU,
-through a loop over the experts that received tokens, one autograd node with a hand-written
-backward. With k = 1 and norm_topk_prob the gate is always 1, so the router then learns only from
-the balance loss.
+The router is an option (`router`, model/ffn/routers/): topk (token choice, the default), expert_choice,
+hash, balanced; each file gives its formula, paper and what it does at evaluation and decoding. All
+share what follows.
 
-Balancing (each switchable):
-- Switch balance loss  L_bal = E sum_i f_i P_i, f_i = share of the N k assignments routed to i,
-  P_i = mean_t p_{t,i} (p = s, normalised to sum 1 per token for sigmoid scores). A perfectly
-  balanced router gives 1. transformers' load_balancing_loss_func uses f_i = share of the N tokens
-  routed to i (summing to k), so its value is k times ours.
+Each routed expert is computed only on the tokens assigned to it: the assignments are sorted by
+expert, the tokens gathered once into that order, each expert runs on its contiguous slice, and the
+gate-weighted outputs are added back to their tokens. On CUDA, for bf16 experts with 16-byte rows
+(`grouped_mm_takes`), the slices go through torch._grouped_mm (a fused kernel on sm90+, torch's
+per-group loop otherwise); otherwise, and on CPU, through a loop over the experts that received
+tokens, one autograd node with a hand-written backward.
+
+Balancing, per level (each loss always computed for the routers with scores and logged; its coef
+weighs it into the training loss, 0 = log only). p = the router scores normalised to sum 1 per token;
+f = shares of the router's assignments (before capacity), P = mean_t p:
+- Switch balance loss (expert level, the forward's batch)  L_bal = E sum_i f_i P_i; 1 when balanced.
+  transformers' load_balancing_loss_func uses f_i = share of the N tokens routed to i (summing to
+  k), so its value is k times ours.
+- Sequence-wise balance loss (DeepSeek-V3, arXiv:2412.19437 eq. 17-20): L_bal of each sequence (row
+  of the batch) alone, averaged over the rows.
+- Device-level balance loss (DeepSeek-V2, arXiv:2405.04434 eq. 14-16) over num_expert_groups groups
+  of E / G contiguous experts (virtual now; the devices once experts are split across processes):
+  L_dev = G sum_g f'_g P'_g, f'_g, P'_g the sums of f, P over group g; 1 when the groups are balanced.
+- Group-limited routing (max_groups_per_token, DeepSeek-V3 node-limited routing): token choice picks
+  its experts from at most M groups (model/ffn/routers/routing.py).
 - Router z-loss (ST-MoE)  L_z = mean_t (logsumexp_i logits_{t,i})^2.
-- Auxiliary-loss-free balancing (DeepSeek-V3): per-expert selection counts are accumulated over the
-  training forwards of one optimizer step; after_optimizer_step() sums them over ranks and sets
-  b_i += gamma sign(mean_j load_j - load_i), then b -= mean(b).
-- capacity_factor C: each expert keeps at most ceil(C N k / E) assignments per forward, earliest
-  tokens first; the rest are dropped (the token keeps its residual and shared path) and counted.
+- Auxiliary-loss-free balancing (DeepSeek-V3; router=topk): per-expert selection counts are accumulated
+  over the training forwards of one optimizer step; after_optimizer_step() sums them over ranks and
+  sets b_i += gamma sign(mean_j load_j - load_i), then b -= mean(b); b is added to the scores for the
+  top-k selection only.
+- capacity_factor C (token choice: topk, hash): each expert keeps at most ceil(C N k / E) assignments
+  per forward, earliest tokens first; the rest are dropped (the token keeps its residual and shared
+  path) and counted.
+
+Telemetry (training forwards; names under moe/ are means over layers, moe/layer<i>/ per layer):
+balance_loss, z_loss, sequence_balance_loss, group_balance_loss (G > 1), imbalance (max load / mean
+load), load_cv, dead_experts, router_entropy, dropped_frac (assignments dropped by capacity),
+unrouted_frac (tokens left with no expert), token_choice_overlap (expert_choice, balanced: how much of
+evaluation's token choice the training routing also makes), group_imbalance (G > 1); per layer the
+vectors load [E] and group_load [G].
 
 Init as DeepSeek-V3 / Qwen2-MoE (transformers' _init_weights of both): router weight and both expert
 weights N(0, initializer_range), the aux-free bias 0; the shared experts are a SwiGLU (Llama's MLP,
@@ -32,7 +49,9 @@ as Qwen2-MoE's shared_expert), which initialises itself. Ours differs on purpose
 by every block: the experts' down projection, which writes into the residual stream, gets
 std * 1/sqrt(2 L) (model/layers.py residual_scale).
 """
+import dataclasses
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +61,18 @@ import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.ffn.dense import SwiGLU
+from model.ffn.routers import ROUTER_OPTIONS, ROUTERS, BalancedOptions, ExpertChoiceOptions, Routing
 from model.layers import residual_scale
 from model.options import bad_option, option
 from model.registry import FFNS
 
 SCORE_FUNCS = ("softmax", "sigmoid")
+LOSSES = ("balance_loss", "z_loss", "sequence_balance_loss", "group_balance_loss")  # logged by add_loss too
 
 
 @dataclass
-class MoEOptions:
+class MoEOptions(ExpertChoiceOptions, BalancedOptions):  # + the options each router's own file declares
+    router: str = option("topk", choices=tuple(ROUTERS))
     num_experts: int = option(8, at_least=1)                     # E
     top_k: int = option(2, at_least=1)                           # k <= E
     # None: intermediate_size // (top_k + num_shared_experts), the active width of the dense FFN
@@ -60,10 +82,24 @@ class MoEOptions:
     norm_topk_prob: bool = option(True)                          # renormalise the selected gates to sum 1
     route_scale: float = option(1.0)
     balance_loss_coef: float = option(1e-2, at_least=0)          # Switch balance loss (1.0 when balanced); 0 logs only
+    sequence_balance_loss_coef: float = option(0.0, at_least=0)  # DeepSeek-V3 sequence-wise balance loss
+    group_balance_loss_coef: float = option(0.0, at_least=0)     # DeepSeek-V2 device-level balance loss (G > 1)
     z_loss_coef: float = option(1e-3, at_least=0)                # router z-loss; 0 logs only
     aux_free_bias: bool = option(False)                          # DeepSeek-V3 bias balancing, after each optimizer step
     bias_update_rate: float = option(1e-3, at_least=0)           # gamma
     capacity_factor: float | None = option(None, above=0)        # None: dropless; C: ceil(C N k / E) per expert
+    num_expert_groups: int = option(1, at_least=1)               # G groups of E / G contiguous experts (devices)
+    max_groups_per_token: int | None = option(None, at_least=1)  # M: token choice from at most M groups; None: any
+
+
+def check_router_options(opts: MoEOptions) -> None:
+    """Options the chosen router does not use keep their defaults (a one-line error otherwise)."""
+    defaults = MoEOptions()
+    others = [f.name for name, options in ROUTER_OPTIONS.items() if name != opts.router for f in dataclasses.fields(options)]
+    for name in (*ROUTERS[opts.router].unused_options, *others):
+        value, default = getattr(opts, name), getattr(defaults, name)
+        if value != default:
+            raise bad_option("moe", name, value, f"{default!r} with router={opts.router}")
 
 
 @FFNS.register("moe")
@@ -74,23 +110,28 @@ class MoE(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         opts = config.options_for_ffn("moe", MoEOptions)
-        if opts.top_k > opts.num_experts:
-            raise bad_option("moe", "top_k", opts.top_k, f"1..num_experts={opts.num_experts}")
+        E, k, G, M = opts.num_experts, opts.top_k, opts.num_expert_groups, opts.max_groups_per_token
+        if k > E:
+            raise bad_option("moe", "top_k", k, f"1..num_experts={E}")
+        if E % G:
+            raise bad_option("moe", "num_expert_groups", G, f"a divisor of num_experts={E}")
+        if M is not None and not (math.ceil(k / (E // G)) <= M <= G):
+            raise bad_option("moe", "max_groups_per_token", M,
+                             f"{math.ceil(k / (E // G))}..num_expert_groups={G} (top_k={k} from groups of {E // G})")
+        check_router_options(opts)
         self.layer_idx = layer_idx
-        self.num_experts, self.top_k = opts.num_experts, opts.top_k
+        self.num_experts, self.top_k, self.num_groups = E, k, G
         self.num_shared = opts.num_shared_experts
-        self.score_func = opts.score_func
-        self.norm_topk_prob = opts.norm_topk_prob
-        self.route_scale = opts.route_scale
         self.balance_loss_coef, self.z_loss_coef = opts.balance_loss_coef, opts.z_loss_coef
+        self.sequence_balance_loss_coef, self.group_balance_loss_coef = opts.sequence_balance_loss_coef, opts.group_balance_loss_coef
         self.aux_free_bias, self.bias_update_rate = opts.aux_free_bias, opts.bias_update_rate
         self.capacity_factor = opts.capacity_factor
-        d, E = config.hidden_size, self.num_experts
+        d = config.hidden_size
         f = opts.expert_intermediate_size or config.intermediate_size // (self.top_k + self.num_shared)
         self.hidden_size, self.expert_size = d, f
         self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
 
-        self.router = nn.Linear(d, E, bias=False)
+        self.router = ROUTERS[opts.router](d, opts)
         # Stacked expert weights, laid out for x @ W: gate and up fused into one [d, 2f] matrix.
         self.gate_up_proj = nn.Parameter(torch.empty(E, d, 2 * f))
         self.down_proj = nn.Parameter(torch.empty(E, f, d))
@@ -102,46 +143,33 @@ class MoE(nn.Module):
         self.pending_counts: torch.Tensor | None = None
 
     def init_parameters(self) -> None:
-        init.normal_(self.router.weight, mean=0.0, std=self.init_std)
+        if hasattr(self.router, "weight"):  # the routers with weights (not hash)
+            init.normal_(self.router.weight, mean=0.0, std=self.init_std)
         init.normal_(self.gate_up_proj, mean=0.0, std=self.init_std)
         init.normal_(self.down_proj, mean=0.0, std=self.init_std * self.residual_scale)
         if self.aux_free_bias:
             init.zeros_(self.expert_bias)
 
-    # routing -----------------------------------------------------------------------------------
-    def route(self, x: torch.Tensor):
-        """x [N, d] -> router logits [N, E] (fp32 or wider), scores [N, E], top-k experts [N, k], gates [N, k]."""
-        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least, float64 stays float64
-        with torch.autocast(x.device.type, enabled=False):
-            logits = F.linear(x.to(dtype), self.router.weight.to(dtype))
-        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
-        choice = scores.detach()
-        if self.aux_free_bias:
-            choice = choice + self.expert_bias.to(dtype)
-        experts = choice.topk(self.top_k, dim=-1).indices
-        gates = scores.gather(-1, experts)
-        if self.norm_topk_prob:
-            gates = gates / gates.sum(-1, keepdim=True)
-        return logits, scores, experts, gates * self.route_scale
-
     # forward -----------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, aux=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, aux=None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., d]; token_ids [...] (the input ids of x's tokens; router=hash needs them)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         N, k, E = x.shape[0], self.top_k, self.num_experts
-        logits, scores, experts, gates = self.route(x)
+        routing = self.router(x, None if token_ids is None else token_ids.reshape(-1),
+                              self.expert_bias if self.aux_free_bias else None)
 
-        # Sort the N k (token, slot) assignments by expert; stable, so tokens keep their order.
-        flat = experts.flatten()
+        # Sort the S assignments by expert; stable, so tokens keep their order.
+        flat = routing.expert
         order = flat.argsort(stable=True)
         routed = torch.bincount(flat, minlength=E)
         counts = routed
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * N * k / E)
-            rank = torch.arange(N * k, device=x.device) - (routed.cumsum(0) - routed)[flat[order]]
+            rank = torch.arange(flat.numel(), device=x.device) - (routed.cumsum(0) - routed)[flat[order]]
             order = order[rank < capacity]
             counts = routed.clamp(max=capacity)
-        token = order // k
+        token = routing.token[order]
         xs = x.index_select(0, token)
         # Experts run in the autocast dtype when autocast is on (as nn.Linear would), else in x's.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
@@ -150,7 +178,7 @@ class MoE(nn.Module):
             ys = experts_grouped_mm(xs, w_gu, w_d, counts)
         else:
             ys = ExpertsLoop.apply(xs, w_gu, w_d, counts.tolist())
-        ys = ys * gates.flatten()[order].unsqueeze(-1).to(ys.dtype)
+        ys = ys * routing.gate[order].unsqueeze(-1).to(ys.dtype)
         y = ys.new_zeros(x.shape).index_add(0, token, ys)
         if self.shared is not None:
             y = y + self.shared(x)
@@ -159,35 +187,51 @@ class MoE(nn.Module):
             c = routed.detach().float()
             self.pending_counts = c if self.pending_counts is None else self.pending_counts + c
         if aux is not None:
-            self.report(aux, logits, scores, routed, 1 - order.numel() / (N * k))
+            rows = shape[0] if len(shape) == 3 else 1  # the sequences of the sequence-wise loss
+            self.report(aux, routing, routed, token, N, rows)
         return y.view(shape)
 
-    def report(self, aux, logits, scores, routed, dropped_frac: float) -> None:
-        """Aux losses (always) and load telemetry (training only) for this layer."""
-        E, tag = self.num_experts, f"moe/layer{self.layer_idx}"
-        probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-        frac = routed.to(probs.dtype) / routed.sum()  # f_i, share of assignments routed to expert i
-        balance = E * (frac * probs.mean(0)).sum()
-        z = torch.logsumexp(logits, dim=-1).square().mean()
-        aux.add_loss("moe/balance_loss", balance, self.balance_loss_coef)
-        aux.add_loss("moe/z_loss", z, self.z_loss_coef)
+    def report(self, aux, routing: Routing, routed: torch.Tensor, kept_tokens: torch.Tensor, num_tokens: int,
+               rows: int) -> None:
+        """Aux losses (always, for routers with scores) and load telemetry (training only) for this layer."""
+        E, G, tag = self.num_experts, self.num_groups, f"moe/layer{self.layer_idx}"
+        probs = routing.probs
+        frac = routed.to(torch.float32 if probs is None else probs.dtype) / routed.sum()  # f_i, share of assignments routed to i
+        group_frac = frac.view(G, E // G).sum(-1)
+        losses = {}
+        if probs is not None:
+            P = probs.mean(0)
+            losses["balance_loss"] = E * (frac * P).sum()
+            losses["z_loss"] = torch.logsumexp(routing.logits, dim=-1).square().mean()
+            losses["sequence_balance_loss"] = sequence_balance_loss(routing, rows)
+            if G > 1:
+                losses["group_balance_loss"] = G * (group_frac * P.view(G, E // G).sum(-1)).sum()
+            for name, value in losses.items():
+                aux.add_loss(f"moe/{name}", value, getattr(self, f"{name}_coef"))
         if not self.training:
             return
         with torch.no_grad():
-            metrics = {
-                "balance_loss": balance.detach(),
-                "z_loss": z.detach(),
+            metrics = {name: value.detach() for name, value in losses.items()}
+            metrics.update({
                 "imbalance": frac.max() * E,  # max load / mean load
                 "load_cv": frac.std(correction=0) * E,  # std / mean
                 "dead_experts": (routed == 0).sum().float(),
-                "router_entropy": -(probs * probs.clamp_min(1e-20).log()).sum(-1).mean(),  # nats
-                "dropped_frac": torch.tensor(dropped_frac, device=routed.device),
-            }
+            })
+            if probs is not None:
+                metrics["router_entropy"] = -(probs * probs.clamp_min(1e-20).log()).sum(-1).mean()  # nats
+            metrics["dropped_frac"] = torch.tensor(1 - kept_tokens.numel() / routing.token.numel(), device=routed.device)
+            metrics["unrouted_frac"] = (torch.bincount(kept_tokens, minlength=num_tokens) == 0).float().mean()
+            if routing.token_choice_overlap is not None:
+                metrics["token_choice_overlap"] = routing.token_choice_overlap
+            if G > 1:
+                metrics["group_imbalance"] = group_frac.max() * G
             for name, value in metrics.items():
-                if name not in ("balance_loss", "z_loss"):
+                if name not in LOSSES:
                     aux.add_metric(f"moe/{name}", value)
                 aux.add_metric(f"{tag}/{name}", value)
             aux.add_metric(f"{tag}/load", frac)
+            if G > 1:
+                aux.add_metric(f"{tag}/group_load", group_frac)
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
@@ -203,14 +247,42 @@ class MoE(nn.Module):
         self.pending_counts = None
 
     # accounting --------------------------------------------------------------------------------
-    def flops_per_token(self) -> int:
-        """Router + k routed experts + shared experts (forward, 2 FLOPs per multiply-add)."""
+    def flops_per_token(self) -> float:
+        """Router + the routed experts a token runs through in training + shared experts (forward, 2
+        FLOPs per multiply-add)."""
         d, f = self.hidden_size, self.expert_size
-        return 2 * d * self.num_experts + 2 * 3 * d * f * (self.top_k + self.num_shared)
+        router = 2 * d * self.num_experts if hasattr(self.router, "weight") else 0
+        return router + 2 * 3 * d * f * (self.router.experts_per_token() + self.num_shared)
 
     def inactive_parameters(self) -> int:
         """Routed-expert parameters a token does not use: (E - k) experts."""
         return (self.num_experts - self.top_k) * 3 * self.hidden_size * self.expert_size
+
+
+def sequence_balance_loss(routing: Routing, rows: int) -> torch.Tensor:
+    """DeepSeek-V3's sequence-wise balance loss: E sum_i f_i P_i within each of the `rows` sequences of
+    the forward (f: the sequence's shares of assignments, P: its mean probs), averaged over them."""
+    N, E = routing.probs.shape
+    counts = routing.probs.new_zeros(rows, E).index_put_(
+        (routing.token // (N // rows), routing.expert), routing.probs.new_ones(()), accumulate=True)
+    frac = counts / counts.sum(-1, keepdim=True).clamp_min(1)
+    return E * (frac * routing.probs.view(rows, N // rows, E).mean(1)).sum(-1).mean()
+
+
+@contextmanager
+def batch_routing_at_eval(model: nn.Module):
+    """Within: the routers whose training routing is not causal (expert_choice, balanced) route
+    evaluation forwards as in training, over each forward's batch, instead of token choice (to report
+    the val loss both ways). Yields whether the model has such a router."""
+    batch_routers = tuple(cls for cls in ROUTERS.values() if not cls.causal)
+    routers = [m for m in model.modules() if isinstance(m, batch_routers)]
+    for router in routers:
+        router.eval_batch_routing = True
+    try:
+        yield bool(routers)
+    finally:
+        for router in routers:
+            router.eval_batch_routing = False
 
 
 def grouped_mm_takes(dtype: torch.dtype, d: int, f: int) -> bool:

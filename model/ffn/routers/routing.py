@@ -1,0 +1,102 @@
+"""What every router returns, and the pieces the scored routers share: router logits and scores,
+token choice (optionally group-limited) and its gates.
+
+A router maps the N tokens of one forward to a list of S assignments (token t_s goes to expert e_s
+with gate g_s); the MoE sorts them by expert and runs each expert on its tokens (model/ffn/moe.py).
+Token choice gives S = N k (the k slots of each token in order); expert choice gives each expert its
+own tokens, so a token may get 0..E experts.
+
+Group-limited routing (DeepSeek-V3, arXiv:2412.19437 sec. 2.1.2, "node-limited routing"): the E
+experts form G contiguous groups (devices once experts are split across processes); a token first
+picks the M groups with the largest sum of their top ceil(k / M) scores, then its top-k experts
+among those groups only.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class Routing:
+    token: torch.Tensor                 # [S] long: the token of each assignment (index into the N tokens)
+    expert: torch.Tensor                # [S] long
+    gate: torch.Tensor                  # [S]: the weight of the expert's output in the token's sum
+    logits: torch.Tensor | None = None  # [N, E] router logits (fp32 or wider): z-loss; None without router weights
+    probs: torch.Tensor | None = None   # [N, E] scores normalised to sum 1 per token: balance losses, entropy
+    # Training routing that is not token choice: the share of the N k (token, expert) pairs of token
+    # choice on the same scores (the routing used at evaluation) that training routing also makes.
+    token_choice_overlap: torch.Tensor | None = None
+
+    @classmethod
+    def from_token_choice(cls, experts: torch.Tensor, gates: torch.Tensor, **rest) -> "Routing":
+        """experts, gates [N, k] -> the N k assignments, token-major (t, slot 0), (t, slot 1), ..."""
+        N, k = experts.shape
+        token = torch.arange(N, device=experts.device).repeat_interleave(k)
+        return cls(token, experts.flatten(), gates.flatten(), **rest)
+
+
+class ScoredRouter(nn.Module):
+    """A router with weights W_r [E, d]: logits = x W_r^T in fp32 at least, scores softmax or sigmoid
+    over the experts. The MoE initialises `weight` (it owns the init of its parameters)."""
+
+    def __init__(self, hidden_size: int, opts):
+        super().__init__()
+        self.num_experts, self.top_k = opts.num_experts, opts.top_k
+        self.score_func, self.norm_topk_prob, self.route_scale = opts.score_func, opts.norm_topk_prob, opts.route_scale
+        self.num_groups, self.max_groups = opts.num_expert_groups, opts.max_groups_per_token
+        self.weight = nn.Parameter(torch.empty(opts.num_experts, hidden_size))
+
+    def scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, d] -> logits, scores, probs [N, E] (probs: scores normalised to sum 1 per token)."""
+        dtype = torch.promote_types(x.dtype, torch.float32)  # fp32 at least, float64 stays float64
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.to(dtype), self.weight.to(dtype))
+        if self.score_func == "softmax":
+            scores = logits.softmax(-1)
+            return logits, scores, scores
+        scores = logits.sigmoid()
+        return logits, scores, scores / scores.sum(-1, keepdim=True)
+
+    def experts_per_token(self) -> float:
+        """Mean experts a token runs through in training (for FLOPs)."""
+        return float(self.top_k)
+
+    def token_choice(self, choice: torch.Tensor) -> torch.Tensor:
+        """Each token's top-k experts [N, k] by `choice` [N, E] (scores, plus a selection bias), from at
+        most max_groups_per_token groups."""
+        return token_choice(choice, self.top_k, self.num_groups, self.max_groups)
+
+    def token_choice_gates(self, scores: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """g = route_scale s_{t,i} for the chosen i, renormalised to sum route_scale if norm_topk_prob."""
+        gates = scores.gather(-1, experts)
+        if self.norm_topk_prob:
+            gates = gates / gates.sum(-1, keepdim=True)
+        return gates * self.route_scale
+
+    def overlap(self, routing: Routing, scores: torch.Tensor) -> torch.Tensor:
+        """The share of token choice's N k pairs (on these scores, no bias) that `routing` also makes."""
+        N, E = scores.shape
+        chosen = torch.zeros(N, E, dtype=torch.bool, device=scores.device)
+        chosen[routing.token, routing.expert] = True
+        return chosen.gather(1, self.token_choice(scores.detach())).float().mean()
+
+
+def group_limit(choice: torch.Tensor, num_groups: int, max_groups: int, top_k: int) -> torch.Tensor:
+    """choice [N, E] with -inf outside each token's max_groups best groups (a group's score: the sum
+    of its top ceil(k / M) entries, DeepSeek-V3)."""
+    N, E = choice.shape
+    grouped = choice.view(N, num_groups, E // num_groups)
+    per_group = min(E // num_groups, math.ceil(top_k / max_groups))
+    best = grouped.topk(per_group, dim=-1).values.sum(-1).topk(max_groups, dim=-1).indices  # [N, M]
+    allowed = torch.zeros(N, num_groups, dtype=torch.bool, device=choice.device).scatter_(1, best, True)
+    return grouped.masked_fill(~allowed[..., None], float("-inf")).view(N, E)
+
+
+def token_choice(choice: torch.Tensor, top_k: int, num_groups: int = 1, max_groups: int | None = None) -> torch.Tensor:
+    """The top-k experts [N, k] of each row of choice [N, E], from at most max_groups of num_groups groups."""
+    if max_groups is not None and max_groups < num_groups:
+        choice = group_limit(choice, num_groups, max_groups, top_k)
+    return choice.topk(top_k, dim=-1).indices
