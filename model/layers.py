@@ -205,8 +205,8 @@ class ShortConv(nn.Module):
         y = F.conv1d(xp, self.conv.weight, self.conv.bias, groups=C).transpose(1, 2)
         if segments is not None and W > 1:  # y_t = b + sum_lag w[W - 1 - lag] x_{t - lag}: drop lags before the segment
             b, t, lag = segments.conv_crossings(W)
-            leak = x[b, t - lag] * self.conv.weight[:, 0, :].T[W - 1 - lag]
-            y = y.index_put((b, t), -leak, accumulate=True)
+            leak = x[b, t - lag] * self.conv.weight[:, 0, :].T[W - 1 - lag]  # fp32 under autocast (the weight's)
+            y = y.index_put((b, t), -leak.to(y.dtype), accumulate=True)  # in y's dtype: CUDA autocast would promote y
         return F.silu(y)
 
 

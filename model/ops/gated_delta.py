@@ -12,13 +12,14 @@ restarting from zero at each; final states are then [N, H, K, V], one per sequen
 """
 import torch
 
-from model.ops.kernels import accumulation_dtype, optional_kernel
+from model.ops.kernels import accumulation_dtype, optional_kernel, own_precision
 from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, sequence_cumsum
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
 
 
+@own_precision
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            chunk_size=CHUNK_SIZE, cu_seqlens=None):
     """Chunked (WY) gated delta rule; returns (o [B, T, H, V], final state [B, H, K, V] or None).
@@ -177,6 +178,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, dbeta)), dS0, None, None, None, None)
 
 
+@own_precision
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                      output_final_state=False, cu_seqlens=None):
     """The per-token recurrence (for decoding, T small); same arguments and returns as the chunked form."""
@@ -207,6 +209,7 @@ def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state
     return torch.stack(out, dim=1).to(dtype), (h if output_final_state else None)
 
 
+@own_precision
 def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_final_state=False,
                              clamp_ktil=False, cu_seqlens=None):
     """Softmax attention linearized into a gated delta rule with fixed 1/t gates (derived GDN):
@@ -228,6 +231,8 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     k_sum [B, H, K] and v_sum [B, H, V] (running sums of scaled keys and of values), t (int, tokens seen).
     Returns (o [B, T, H, V], state or None). With cu_seqlens (batch 1) t, the sums and A restart at
     each sequence; the state then holds one entry per sequence and t is their lengths [N].
+    The means, ktil and vtil are computed in fp32 (fp64 for fp64 inputs); the gated delta rule then
+    takes q, ktil and the written value in the input dtype, as GDN's kernel call does.
     """
     B, T, H, K = k.shape
     dtype, cd = v.dtype, accumulation_dtype(v.dtype)
@@ -253,7 +258,9 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     g = torch.where(first, 0.0, torch.log1p(-1 / t)).expand(B, T, H)
     beta = torch.where(first, 0.0, 1 / (t - 1).clamp(min=1)).expand(B, T, H)
     A0 = None if initial_state is None else initial_state["A"]
-    o, A = chunk_gated_delta_rule(q, ktil, vtil * ((t - 1) / t)[..., None], g, beta, scale=1.0,
+    # the rule's q, k, v in the input dtype (bf16 under autocast: the kernel's), g and beta in fp32
+    written = vtil * ((t - 1) / t)[..., None]
+    o, A = chunk_gated_delta_rule(q.to(dtype), ktil.to(dtype), written.to(dtype), g, beta, scale=1.0,
                                   initial_state=A0, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     o = (o.to(cd) + vbar).to(dtype)
     if not output_final_state:

@@ -1,28 +1,54 @@
 """What every op shares with the GPU kernels it stands in for: the optional kernel lookup, the dtype
-the kernels accumulate in, and the head layout they take (grouped heads repeated to the full count)."""
+the kernels accumulate in, autocast off inside an op (as inside a kernel), and the head layout they
+take (grouped heads repeated to the full count)."""
 import functools
 import importlib
+import warnings
 
 import torch
+
+# The devices whose tensors go to the kernel library (fla's Triton kernels). tests/test_fla_interpret.py
+# adds "cpu" to run those kernels under Triton's interpreter through the same dispatch.
+KERNEL_DEVICES = ("cuda",)
+_unavailable: set[str] = set()  # the kernel packages whose failed import has been reported
 
 
 @functools.cache
 def _imported(module: str):
     """The module, or None if it does not import: tried once per process, not in every forward (a
-    failed import is not cached by Python and searches sys.path again)."""
+    failed import is not cached by Python and searches sys.path again). A failure is reported once per
+    package, with its error: a GPU run would otherwise take the PyTorch path without a word."""
     try:
         return importlib.import_module(module)
-    except ImportError:
+    except Exception as e:  # a broken install raises more than ImportError (Triton's driver, version checks)
+        package = module.split(".")[0]
+        if package not in _unavailable:
+            _unavailable.add(package)
+            warnings.warn(f"{package} does not import ({type(e).__name__}: {e}): ops that would run its kernels "
+                          "run their PyTorch path instead (several times slower on a GPU); "
+                          "pip install -r requirements-gpu.txt", RuntimeWarning, stacklevel=3)
         return None
 
 
 def optional_kernel(module: str, name: str, x: torch.Tensor):
-    """`module.name` (e.g. "fla.ops.linear_attn", "chunk_linear_attn") when x is a CUDA tensor and the
-    module imports (fla needs Triton); else None, and the caller runs its PyTorch form. The attribute
-    is read on every call, so a wrapper set on the module (scripts/gpu_check.py counts kernel calls so) runs."""
-    if not x.is_cuda or (found := _imported(module)) is None:
+    """`module.name` (e.g. "fla.ops.linear_attn", "chunk_linear_attn") when x is on a KERNEL_DEVICES device
+    (CUDA) and the module imports (fla needs Triton); else None, and the caller runs its PyTorch form. The
+    attribute is read on every call, so a wrapper set on the module (scripts/gpu_check.py counts kernel
+    calls so) runs."""
+    if x.device.type not in KERNEL_DEVICES or (found := _imported(module)) is None:
         return None
     return getattr(found, name)
+
+
+def own_precision(fn):
+    """Run an op with autocast off, as a kernel would: it takes its inputs' dtypes and accumulates in
+    accumulation_dtype whatever autocast is on outside (inside, autocast would run the PyTorch forms'
+    matmuls in bf16 and hand bf16 to ops that have no bf16 kernel, e.g. triangular solves)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

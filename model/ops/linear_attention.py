@@ -12,7 +12,7 @@ starting from a zero state; final states are then one per sequence.
 import torch
 import torch.nn.functional as F
 
-from model.ops.kernels import accumulation_dtype, optional_kernel
+from model.ops.kernels import accumulation_dtype, optional_kernel, own_precision
 from model.ops.varlen import ChunkLayout, check_packed, sequence_cumsum
 
 
@@ -107,6 +107,7 @@ def chunk_flops_per_token(seq_len: int, chunk_size: int, groups: int, heads: int
     return 2 * C * k_dim * groups + per_head * heads
 
 
+@own_precision
 def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
                       output_final_state: bool = False, normalize: bool = False,
                       chunk_size: int = 64, eps: float = 1e-6, cu_seqlens=None):

@@ -29,22 +29,12 @@ import torch
 import torch.nn.functional as F
 
 from model.ops import sparse_cpu
-from model.ops.kernels import accumulation_dtype, repeat_heads
+from model.ops.kernels import accumulation_dtype, own_precision, repeat_heads
 
 logger = logging.getLogger(__name__)
 
 _BLOCK_ELEMS = 1 << 22  # temporaries per query block of the dense ops, in elements (16 MiB at fp32)
 _INDEX_BLOCK_ELEMS = 1 << 22  # indexer dot products per query block (16 MiB at fp32: fits a 32 MiB L3)
-
-
-def _own_precision(fn):
-    """Run an op with autocast off, as a kernel would: it accumulates in fp32 whatever the input dtype
-    (autocast would otherwise round the fp32 scores and probabilities to bf16)."""
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-        with torch.autocast("cpu", enabled=False), torch.autocast("cuda", enabled=False):
-            return fn(*args, **kwargs)
-    return wrapped
 
 
 def _blocks(T: int, elems_per_query: int, budget: int | None = None):
@@ -221,7 +211,7 @@ def _rows(x: torch.Tensor, acc) -> torch.Tensor:
 
 # ---- lightning indexer --------------------------------------------------------------------------
 
-@_own_precision
+@own_precision
 def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: int = 0,
                  segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Dense causal indexer scores [B, T, S] (fp32, -inf on future keys, and on other documents' keys
@@ -266,7 +256,7 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
     return cols.gather(-1, j % k) + (j // k) * M
 
 
-@_own_precision
+@own_precision
 @torch.no_grad()
 def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, offset: int = 0,
                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -331,7 +321,7 @@ class _IndexScoresAt(torch.autograd.Function):
         return dq.view(B, T, *qr.shape[1:]).to(q_dtype), dk.view(B, S, -1).to(k_dtype), dw.view(B, T, -1).to(w_dtype), None
 
 
-@_own_precision
+@own_precision
 def index_scores_at(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, indices) -> torch.Tensor:
     """Indexer scores at the selected keys only: [B, T, K] (fp32), -inf in empty slots; differentiable
     in q_i, k_i, w; O(T K H_I d_I) compute through the Selection's sampled products (`indices` a tensor
@@ -370,7 +360,7 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
     return q.shape[-1] ** -0.5 if scale is None else scale
 
 
-@_own_precision
+@own_precision
 def sparse_attention_with_probs(q, k, v, indices, scale: float | None = None):
     """The sparse path: (o [B, T, H, Dv], p [B, T, K]), o[t, h] = sum_{s in indices[t]} softmax_s(scale
     q[t, h] . k[s, h']) v[s, h'] (h' the KV head of h), differentiable in q, k, v; p the head-averaged
@@ -383,7 +373,7 @@ def sparse_attention(q, k, v, indices, scale: float | None = None) -> torch.Tens
     return sparse_attention_with_probs(q, k, v, indices, scale)[0]
 
 
-@_own_precision
+@own_precision
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, indices, scale: float | None = None
                      ) -> torch.Tensor:
     """The masked path: the same attention as `sparse_attention` through fused SDPA under the boolean
@@ -444,7 +434,7 @@ def selected_attention(q, k, v, indices, scale: float | None = None, with_probs:
 
 # ---- detached attention probabilities (indexer targets and recall) ---------------------------------
 
-@_own_precision
+@own_precision
 @torch.no_grad()
 def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices, scale: float | None = None) -> torch.Tensor:
     """p [B, T, K]: softmax over the selected keys, averaged over heads (so L1-normalised), 0 in empty
@@ -455,7 +445,7 @@ def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices, scale: f
     return p.view(sel.indices.shape)
 
 
-@_own_precision
+@own_precision
 @torch.no_grad()
 def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
                           scale: float | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -16,7 +16,7 @@ several sequences, each starting from a zero state.
 import torch
 import torch.nn.functional as F
 
-from model.ops.kernels import accumulation_dtype, optional_kernel, repeat_heads
+from model.ops.kernels import accumulation_dtype, optional_kernel, own_precision, repeat_heads
 from model.ops.linear_attention import chunk_scalar_decay
 
 
@@ -40,6 +40,7 @@ def _skip_and_gate(y, x, D, z):
     return y
 
 
+@own_precision
 def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
                      dt_softplus: bool = False, initial_states=None, return_final_states: bool = False,
                      cu_seqlens=None):
@@ -64,6 +65,7 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=No
     return (y, state) if return_final_states else y
 
 
+@own_precision
 def mamba_state_step(x, dt, A, B, C, state, D=None, z=None, dt_bias=None, dt_softplus: bool = False):
     """One decoding step of the same recurrence: x [B, H, P], dt [B, H], B, C [B, G, N],
     state [B, H, P, N]. Returns (y [B, H, P] in x's dtype, new state in the compute dtype)."""
