@@ -1,9 +1,17 @@
-"""What the CUDA paths assume of their inputs, checked on the CPU: MoE's grouped-GEMM guard against
-torch._grouped_mm's own checks (its meta function, which torch.compile runs)."""
+"""What the CUDA paths assume, checked on the CPU: MoE's grouped-GEMM guard against torch._grouped_mm's
+own checks (its meta function, which torch.compile runs); a failed fla import said once, with its error,
+when a tensor on a kernel device would have used it."""
+import sys
+import warnings
+
 import pytest
 import torch
 
 from model.ffn.moe import experts_grouped_mm, grouped_mm_takes
+from model.ops import kernels
+from model.ops.gated_delta import chunk_gated_delta_rule
+from model.ops.linear_attention import chunk_linear_attn
+from model.ops.ssd import mamba_chunk_scan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -29,3 +37,44 @@ def test_grouped_mm_guard_is_the_ops_own_check(dtype, d, f):
     16-byte rows for d and for the expert width f (f = 100 with d = 64 fails in the second GEMM)."""
     error = grouped_mm_runs(dtype, d, f)
     assert grouped_mm_takes(dtype, d, f) == (error is None), error
+
+
+@pytest.fixture
+def fla_broken(monkeypatch):
+    """`import fla` fails (as with a broken install) and nothing was reported or cached yet; afterwards
+    the import is tried afresh."""
+    for name in [n for n in sys.modules if n == "fla" or n.startswith("fla.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "fla", None)  # import fla -> ModuleNotFoundError
+    monkeypatch.setattr(kernels, "_unavailable", set())
+    kernels._imported.cache_clear()
+    yield
+    kernels._imported.cache_clear()
+
+
+def run_the_three_fla_ops():
+    """GDN, linear attention and the SSD, each of which would call an fla kernel on a kernel device."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 5, 2, 4, generator=g) for _ in range(3))
+    gate, beta = -torch.rand(1, 5, 2, generator=g), torch.rand(1, 5, 2, generator=g)
+    chunk_gated_delta_rule(q, k, v, gate, beta)
+    chunk_linear_attn(q, k, v)
+    mamba_chunk_scan(v, gate, -torch.ones(2), q, k, chunk_size=4)
+
+
+def test_failed_fla_import_is_said_once_with_its_error(fla_broken, monkeypatch):
+    monkeypatch.setattr(kernels, "KERNEL_DEVICES", ("cpu",))  # CPU tensors stand for CUDA ones
+    with pytest.warns(RuntimeWarning) as said:
+        run_the_three_fla_ops()
+        run_the_three_fla_ops()
+    assert len(said) == 1, [str(w.message) for w in said]
+    message = str(said[0].message)
+    assert message.startswith("fla does not import (ModuleNotFoundError: ") and \
+        "PyTorch path" in message and "requirements-gpu.txt" in message
+
+
+def test_no_word_where_no_kernel_would_run(fla_broken):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any warning fails
+        run_the_three_fla_ops()  # CPU tensors: the kernels are not looked up
+    assert kernels._imported.cache_info().currsize == 0
