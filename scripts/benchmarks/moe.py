@@ -9,6 +9,12 @@ kept, so load from other processes hits all cases alike and is partly filtered o
 active forward+backward FLOPs (3x forward: router + k experts per token); compare it with the fp32
 matmul peak measured in the same run. A second table gives fwd+bwd CPU time on one thread
 (time.process_time), which other processes on the machine barely disturb.
+
+A third table times each router (ffn.options.router, model/ffn/routers) at the default recipe's
+shape (model=tiny: d 256, E 8, k 2, expert width 384; one micro-batch of 8 x 256 tokens), in
+training mode with its aux losses and telemetry, fwd+bwd as a ratio to top-k's in the same run
+(interleaved rounds; the median round): on CUDA when there is one, under bf16 autocast as training
+runs there; on CPU in fp32, with the 1-thread CPU time beside the wall time.
 """
 import warnings
 
@@ -19,7 +25,7 @@ from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBl
 from model.config import LMConfig
 from model.ffn.moe import MoE
 from model.layers import AuxCollector
-from scripts.benchmarks.common import cpu_times, markdown_table, matmul_peak_gflops, time_call
+from scripts.benchmarks.common import cpu_times, interleaved, markdown_table, matmul_peak_gflops, time_call
 
 
 FWD_BWD = ("ours", "ours + aux losses/metrics", "transformers eager", "transformers grouped_mm")
@@ -51,7 +57,66 @@ def build(E: int, k: int, d: int, f: int):
     return ours, theirs
 
 
+# Each router at the default MoE options; top-k also group-limited (4 groups of 2 experts, at most 2 per token).
+ROUTER_CASES = {"topk": {}, "expert_choice": {"router": "expert_choice"}, "hash": {"router": "hash"},
+                "balanced": {"router": "balanced"}, "topk, group-limited": {"num_expert_groups": 4, "max_groups_per_token": 2}}
+
+
+def routers(quick: bool) -> str:
+    """fwd+bwd of the MoE layer with each router, as a ratio to top-k's, same weights and input."""
+    d, f, rows, T = 256, 384, (2 if quick else 8), 256  # configs/model/tiny.yaml, MoEOptions defaults, train.yaml
+    rounds, iters = (2, 2) if quick else (5, 3)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    x = torch.randn(rows, T, d, device=device, requires_grad=True)
+    grad = torch.randn(rows, T, d, device=device)
+    ids = torch.randint(0, 4096, (rows, T), device=device)
+    layers = {}
+    for name, options in ROUTER_CASES.items():
+        m = MoE(LMConfig(hidden_size=d, num_hidden_layers=4, intermediate_size=768, ffn="moe",
+                         ffn_options={"moe": options}))
+        torch.manual_seed(1)  # same weights for every router
+        m.init_parameters()
+        layers[name] = m.to(device).train()
+
+    def fwd_bwd(module):
+        def step():
+            aux = AuxCollector()
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+                y = module(x, aux, ids)
+            loss = (y.float() * grad).sum()
+            if (extra := aux.total_loss()) is not None:
+                loss = loss + extra
+            loss.backward()
+        return step
+
+    steps = {name: fwd_bwd(m) for name, m in layers.items()}
+    wall = interleaved(steps, rounds, iters)
+    header, table = ["router", "fwd+bwd ms", "x top-k"], [[name, wall[name] * 1e3, wall[name] / wall["topk"]] for name in layers]
+    if device.type == "cpu":  # CPU time on one thread: barely disturbed by other processes
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        cpu = {name: [] for name in steps}
+        for _ in range(rounds):
+            for name, step in steps.items():
+                cpu[name].append(cpu_time(step, iters))
+        cpu = {name: sorted(ts)[len(ts) // 2] for name, ts in cpu.items()}
+        torch.set_num_threads(threads)
+        header += ["CPU ms, 1 thread", "x top-k"]
+        for row in table:
+            row += [cpu[row[0]] * 1e3, cpu[row[0]] / cpu["topk"]]
+    where = (f"CUDA ({torch.cuda.get_device_name()}), bf16 autocast" if device.type == "cuda"
+             else f"CPU, fp32, {torch.get_num_threads()} threads")
+    note = (f"{rows * T} tokens ({rows} x {T}), d={d}, E=8, k=2, expert width {f}, training mode with aux losses and "
+            f"telemetry; {where}; median of {rounds} interleaved rounds of the median of {iters} calls.")
+    return note + "\n\n" + markdown_table(header, table)
+
+
 def run(quick: bool) -> str:
+    return transformers_comparison(quick) + "\n\n### Routers\n\n" + routers(quick)
+
+
+def transformers_comparison(quick: bool) -> str:
     d = f = 256
     N = 512 if quick else 2048
     rounds, iters = (2, 2) if quick else (3, 3)
