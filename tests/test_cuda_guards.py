@@ -1,12 +1,16 @@
 """What the CUDA paths assume, checked on the CPU: MoE's grouped-GEMM guard against torch._grouped_mm's
-own checks (its meta function, which torch.compile runs); a failed fla import said once, with its error,
-when a tensor on a kernel device would have used it."""
+own checks (its meta function, which torch.compile runs); DSA's CSR selections (what cuSPARSE gets)
+sorted and duplicate-free, on the selections a model builds with documents; a failed fla import said
+once, with its error, when a tensor on a kernel device would have used it."""
 import sys
 import warnings
 
 import pytest
 import torch
 
+import model.mixers.dsa as dsa_mixer
+import model.ops.sparse_attention as sa
+from model import DecoderLM, LMConfig
 from model.ffn.moe import experts_grouped_mm, grouped_mm_takes
 from model.ops import kernels
 from model.ops.gated_delta import chunk_gated_delta_rule
@@ -78,3 +82,59 @@ def test_no_word_where_no_kernel_would_run(fla_broken):
         warnings.simplefilter("error")  # any warning fails
         run_the_three_fla_ops()  # CPU tensors: the kernels are not looked up
     assert kernels._imported.cache_info().currsize == 0
+
+
+def dsa_step(ids, positions, train: bool):
+    """Loss and gradients of a 1-layer DSA model (sparse stage, top-k 8) on a packed batch with documents."""
+    torch.manual_seed(0)
+    config = LMConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, mixer="dsa", mixer_options={"dsa": {"topk": 8, "index_head_dim": 16,
+                                                                                  "index_rope_dim": 8}})
+    model = DecoderLM(config).train(train)
+    out = model(ids, labels=ids, position_ids=positions, use_cache=False)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_dsa_csr_selections_are_sorted_and_duplicate_free(monkeypatch):
+    """The csr backend (what CUDA runs, with the CUDA top-k path) on the selections a model builds from a
+    batch of documents (short ones leave empty slots): every CSR handed to torch.sparse passes torch's
+    invariant check (each row's columns sorted and distinct), each row holds exactly its query's selected
+    keys, and loss and gradients equal the numba backend's."""
+    ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
+    positions = torch.stack([torch.cat([torch.arange(3), torch.arange(12), torch.arange(25)]),
+                             torch.cat([torch.arange(5, 15), torch.arange(30)])])
+    monkeypatch.setitem(sa.SPARSE_KEY_COST, "cpu", 0.0)  # the sparse path (SDDMM / SpMM) at any length
+    want = {train: dsa_step(ids, positions, train) for train in (True, False)}
+
+    monkeypatch.setattr(sa, "_numba_runs", lambda device: False)  # the csr backend and the torch top-k
+    checked, selections = [], []
+
+    def checked_csr(crow, col, values, size):
+        checked.append(size)
+        with warnings.catch_warnings():  # torch warns that CSR support is in beta
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=True)
+
+    def kept_selection(*args, **kwargs):
+        selections.append(sa.Selection(*args, **kwargs))
+        return selections[-1]
+
+    monkeypatch.setattr(sa, "_csr", checked_csr)
+    monkeypatch.setattr(dsa_mixer, "Selection", kept_selection)
+    for train in (True, False):  # training (indexer loss) and eval (recall) forwards
+        loss, grads = dsa_step(ids, positions, train)
+        torch.testing.assert_close(loss, want[train][0])
+        for name, grad in want[train][1].items():
+            torch.testing.assert_close(grads[name], grad, msg=name)
+    assert len(selections) == 2 and checked  # a selection per forward; the CSRs it built were checked
+    for sel in selections:
+        assert sel.backend == "csr" and (~sel.valid).any()  # empty slots: short documents
+        rows = torch.tensor_split(sel.col.long(), sel.crow[1:-1].long())
+        B, T, _ = sel.indices.shape
+        for r, cols in enumerate(rows):
+            b, t = divmod(r, T)
+            selected = sel.indices[b, t][sel.valid[b, t]] + b * sel.num_keys
+            assert cols.tolist() == sorted(set(selected.tolist())) == sorted(selected.tolist()), (b, t)
+        crow_t, col_t, _ = sel._transposed
+        checked_csr(crow_t, col_t, torch.ones(col_t.numel()), (sel.col_count, sel.rows))

@@ -59,8 +59,9 @@ class Selection:
     backend "numba" (the default on CPU): the kernels of model.ops.sparse_cpu on `key_rows` ([B T, K] key
     rows, -1 = empty), which read each selected key row once for a whole head group.
     "csr" (the default elsewhere: cuSPARSE): torch.sparse, one head at a time, through the CSR [B T, B S]
-    of the selection (exactly K entries per row; an empty slot points at column b S with value 0) and,
-    built on first use, the CSR of its transpose, with the elementwise steps in torch ops."""
+    of the selection and, built on first use, the CSR of its transpose, with the elementwise steps in
+    torch ops. Both hold the selected entries only (empty slots left out), each row's columns sorted and
+    distinct, as cuSPARSE's CSR routines assume; `slots` maps the entries to the [B T, K] slots."""
 
     BACKENDS = ("numba", "csr")
 
@@ -80,9 +81,13 @@ class Selection:
         base = torch.arange(B, device=indices.device).view(B, 1, 1) * num_keys
         if self.backend == "numba":
             self.key_rows = (indices + base).masked_fill(~self.valid, -1).view(B * T, K).to(self.index_dtype)
-        else:
-            self.col = (indices.clamp(min=0) + base).flatten().to(self.index_dtype)
-            self.crow = torch.arange(0, B * T * K + 1, K, device=indices.device, dtype=self.index_dtype)
+        else:  # each row's keys in ascending order, the empty slots (sent past the last key) dropped
+            cols, order = (indices + base).masked_fill(~self.valid, B * num_keys).view(B * T, K).sort(-1)
+            kept = cols < B * num_keys
+            self.col = cols[kept].to(self.index_dtype)
+            self.crow = F.pad(kept.sum(-1).cumsum(0), (1, 0)).to(self.index_dtype)
+            # slots[i]: the flat slot r K + j of the i-th entry (values [B T, K] -> entries and back)
+            self.slots = (order + torch.arange(0, B * T * K, K, device=indices.device)[:, None])[kept]
 
     @property
     def rows(self) -> int:
@@ -104,7 +109,6 @@ class Selection:
         if self.backend == "numba":
             return sparse_cpu.gathered_sum(c, b, self.key_rows)
         G = c.shape[1] // b.shape[1]
-        c = self._zero_empty(c)
         return torch.stack([self.matrix(c[:, h]) @ b[:, h // G] for h in range(c.shape[1])], 1)
 
     def attention(self, q, k, v, scale: float):
@@ -118,7 +122,6 @@ class Selection:
         if self.backend == "numba":
             return sparse_cpu.scattered_sum(c, a, self.key_rows, self.col_count, kv_heads)
         G = c.shape[1] // kv_heads
-        c = self._zero_empty(c)
         return torch.stack([sum(self.matrix_t(c[:, h]) @ a[:, h] for h in range(g * G, (g + 1) * G))
                             for g in range(kv_heads)], 1)
 
@@ -144,7 +147,7 @@ class Selection:
         """The backward of `index_scores` (k given as [B S, d]) given grad [B T, K]: (dq, dk, dw)."""
         if self.backend == "numba":
             return sparse_cpu.index_grads(grad, dots, q, k, w, self.key_rows)
-        g = self._zero_empty(grad[:, None])
+        g = grad[:, None].masked_fill(~self.valid.view(self.rows, 1, -1), 0)
         ddots = g * w[:, :, None] * (dots > 0)  # d relu(x) = [x > 0]
         return self.gathered_sum(ddots, k[:, None]), self.scattered_sum(ddots, q, 1)[:, 0], (dots.relu() * g).sum(-1)
 
@@ -153,40 +156,36 @@ class Selection:
     def _dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         """a [B T, H, D], b [B S, Hkv, D] -> [B T, H, K]: a[r, h] . b[n_rj, h // G], 0 in empty slots."""
         G = a.shape[1] // b.shape[1]
-        out = torch.stack([self._sampled_dots(a[:, h].contiguous(), b[:, h // G].contiguous())
-                           for h in range(a.shape[1])], 1)
-        return out.masked_fill_(~self.valid.view(self.rows, 1, -1), 0)
-
-    def _zero_empty(self, c: torch.Tensor) -> torch.Tensor:
-        return c.masked_fill(~self.valid.view(self.rows, 1, -1), 0)
+        return torch.stack([self._sampled_dots(a[:, h].contiguous(), b[:, h // G].contiguous())
+                            for h in range(a.shape[1])], 1)
 
     @functools.cached_property
     def _transposed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(crow, col, src) of the transpose [B S, B T] over the non-empty entries, rows sorted by key;
-        src[i] is the flat position (b T + t) K + k of the i-th entry in `values` order."""
-        B, T, K = self.indices.shape
-        filled = self.valid.flatten().nonzero().squeeze(1)
-        keys = self.col.index_select(0, filled)
-        src = filled.index_select(0, keys.sort(stable=True).indices)
-        query = torch.arange(B * T, device=keys.device, dtype=self.index_dtype).repeat_interleave(K).index_select(0, src)
-        crow = torch.zeros(B * self.num_keys + 1, dtype=self.index_dtype, device=keys.device)
-        crow[1:] = torch.bincount(keys, minlength=B * self.num_keys).cumsum(0)
-        return crow, query, src
+        """(crow, col, slots) of the transpose [B S, B T]: the entries by key (a stable sort keeps each
+        key's query rows ascending, as the CSR's rows are); slots as `slots`, in this order."""
+        keys = self.col.long()
+        order = keys.sort(stable=True).indices
+        slots = self.slots.index_select(0, order)
+        query = (slots // self.indices.shape[2]).to(self.index_dtype)
+        crow = torch.zeros(self.col_count + 1, dtype=self.index_dtype, device=keys.device)
+        crow[1:] = torch.bincount(keys, minlength=self.col_count).cumsum(0)
+        return crow, query, slots
 
     def matrix(self, values: torch.Tensor) -> torch.Tensor:
-        """CSR [B T, B S] with `values` [B T, K] at the selected entries."""
-        return _csr(self.crow, self.col, values.reshape(-1), (self.rows, self.col_count))
+        """CSR [B T, B S] with `values` [B T, K] at the selected entries (empty slots dropped)."""
+        return _csr(self.crow, self.col, values.reshape(-1).index_select(0, self.slots), (self.rows, self.col_count))
 
     def matrix_t(self, values: torch.Tensor) -> torch.Tensor:
-        """CSR [B S, B T]: the transpose of matrix(values) (empty slots dropped)."""
-        crow, col, src = self._transposed
-        return _csr(crow, col, values.reshape(-1).index_select(0, src), (self.col_count, self.rows))
+        """CSR [B S, B T]: the transpose of matrix(values)."""
+        crow, col, slots = self._transposed
+        return _csr(crow, col, values.reshape(-1).index_select(0, slots), (self.col_count, self.rows))
 
     def _sampled_dots(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        """a [B T, D], b [B S, D] -> [B T, K]: a[row] . b[col] at each selected entry (one head)."""
-        out = self.matrix(a.new_zeros(self.col.numel()))
+        """a [B T, D], b [B S, D] -> [B T, K]: a[row] . b[col] at each selected entry (one head), 0 in
+        empty slots."""
+        out = _csr(self.crow, self.col, a.new_zeros(self.col.numel()), (self.rows, self.col_count))
         torch.sparse.sampled_addmm(out, a, b.t(), beta=0.0, out=out)  # in place: no copy of the structure
-        return out.values().view(self.rows, -1)
+        return a.new_zeros(self.indices.numel()).index_copy_(0, self.slots, out.values()).view(self.rows, -1)
 
 
 def _csr(crow, col, values, size) -> torch.Tensor:
