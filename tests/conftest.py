@@ -65,3 +65,16 @@ def train_on_one_batch(model, steps: int = 8, vocab: int = 64) -> list[float]:
         opt.step()
         losses.append(loss.item())
     return losses
+
+
+BF16_UNIT = 2**-8  # bf16's unit roundoff (8 significant bits)
+
+
+def assert_bf16_rounding_of(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """out (bf16) is ref (float64) rounded once to bf16, as from an op that accumulates in fp32: every
+    element within 2 units of roundoff, and the normwise relative error at most 0.6 of one (rounding
+    once gives ~0.4; an op that also rounds its intermediates to bf16 gives ~1 or more)."""
+    out = out.double()
+    torch.testing.assert_close(out, ref, rtol=2 * BF16_UNIT, atol=1e-3 * ref.abs().max().item())
+    err = ((out - ref).norm() / ref.norm()).item() / BF16_UNIT
+    assert err <= 0.6, f"normwise relative error {err:.2f} units of bf16 roundoff (> 0.6)"

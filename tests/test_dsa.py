@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import model.ops.sparse_attention as sa
+from conftest import assert_bf16_rounding_of
 from model import DecodeCache, DecoderLM, LMConfig
 from model.layers import AuxCollector
 from model.mixers.dsa import DSAttention
@@ -22,9 +23,22 @@ def grads(out, inputs, g):
 
 @pytest.fixture(params=["small_blocks", "one_block"])
 def blocks(request, monkeypatch):
-    """Run each op test with blocks of a few queries (uneven last block) and with one block."""
+    """Run each op test with blocks of a few queries (uneven last block) and with one block, for the
+    dense ops' query blocks and index_topk's alike; afterwards, that every query loop of the test ran
+    in the blocks it names."""
     if request.param == "small_blocks":
         monkeypatch.setattr(sa, "_BLOCK_ELEMS", 700)
+        monkeypatch.setattr(sa, "_INDEX_BLOCK_ELEMS", 100)  # 2 queries per block at T = S = 13, H_I = 3
+    counts, split = [], sa._blocks
+
+    def counted(*args):
+        out = list(split(*args))
+        counts.append(len(out))
+        return out
+
+    monkeypatch.setattr(sa, "_blocks", counted)
+    yield
+    assert counts and all(n > 1 if request.param == "small_blocks" else n == 1 for n in counts), counts
 
 
 def indexer_inputs(B=2, T=13, H_I=3, d_I=5, seed=0):
@@ -39,7 +53,7 @@ def attention_inputs(B=2, T=13, H=4, Hkv=2, D=6, seed=1):
 
 # ---- ops ------------------------------------------------------------------------------------------
 
-def test_index_scores_match_formula(blocks):
+def test_index_scores_match_formula():
     q_i, k_i, w = indexer_inputs()
     torch.testing.assert_close(sa.index_scores(q_i, k_i, w), sa.naive_index_scores(q_i, k_i, w))
 
@@ -90,7 +104,7 @@ def test_index_topk_within_documents(topk_kernel, topk):
 
 
 @pytest.mark.parametrize("backend", sa.Selection.BACKENDS)
-def test_index_scores_at_match_dense_scores_values_and_grads(blocks, backend):
+def test_index_scores_at_match_dense_scores_values_and_grads(backend):
     q_i, k_i, w = indexer_inputs()
     idx = sa.index_topk(q_i, k_i, w, 4)
     out = sa.index_scores_at(q_i, k_i, w, sa.Selection(idx, k_i.shape[1], backend))
@@ -253,11 +267,19 @@ def test_both_paths_with_all_keys_are_causal_softmax_attention(path):
 
 
 def test_sparse_attention_fp32_accumulation_for_bf16_inputs():
-    q, k, v = (x.detach() for x in attention_inputs())
-    idx = sa.index_topk(*indexer_inputs(), 4)
-    out = sa.sparse_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), idx)
+    """bf16 q, k, v with logits up to ~10 over 32 selected keys: the output is the float64 attention of
+    the same bf16 values rounded once to bf16, which the same attention computed in bf16 (rounded
+    logits and probabilities) is not."""
+    g = torch.Generator().manual_seed(0)
+    q = (3 * torch.randn(1, 64, 4, 32, generator=g)).bfloat16()
+    k, v = (torch.randn(1, 64, 1, 32, generator=g).bfloat16() for _ in range(2))
+    idx = sa.index_topk(*(x.detach().float() for x in indexer_inputs(B=1, T=64, seed=2)), 32)
+    ref = sa.naive_masked_attention(q.double(), k.double(), v.double(), idx)
+    out = sa.sparse_attention(q, k, v, idx)
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), sa.naive_masked_attention(q, k, v, idx), atol=3e-2, rtol=3e-2)
+    assert_bf16_rounding_of(out, ref)
+    with pytest.raises(AssertionError):  # accumulating in bf16 fails at this size
+        assert_bf16_rounding_of(sa.naive_masked_attention(q, k, v, idx), ref)
 
 
 def test_ops_keep_fp32_under_autocast():

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import assert_bf16_rounding_of
 from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
                                    naive_derived_gated_delta, naive_gated_delta)
 
@@ -81,12 +82,18 @@ def test_fused_recurrent_matches_chunk():
 
 
 def test_low_precision_input_accumulates_in_fp32():
-    q, k, v, g, beta, _ = make_inputs(T=40, dtype=torch.float32)
-    o32, _ = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16)
-    o16, h16 = chunk_gated_delta_rule(q.bfloat16(), k.bfloat16(), v.bfloat16(), g, beta, chunk_size=16,
-                                      output_final_state=True)
+    """bf16 q, k, v over 256 slowly decaying steps: the output is the float64 recurrence of the same
+    bf16 values rounded once to bf16, which the recurrence run in bf16 is not; the state stays fp32."""
+    q, k, v, _, beta, _ = (x.float() for x in make_inputs(B=1, T=256, H=2, K=16, V=16))
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()
+    g = -0.02 * torch.rand(beta.shape, generator=torch.Generator().manual_seed(1))  # a long memory
+    ref, _ = naive_gated_delta(q.double(), k.double(), v.double(), g.double(), beta.double())
+    o16, h16 = chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=16, output_final_state=True)
     assert o16.dtype == torch.bfloat16 and h16.dtype == torch.float32
-    torch.testing.assert_close(o16.float(), o32, rtol=0.05, atol=0.05)
+    assert_bf16_rounding_of(o16, ref)
+    bf16, _ = naive_gated_delta(q, k, v, g.bfloat16(), beta.bfloat16())
+    with pytest.raises(AssertionError):  # accumulating in bf16 fails at this size
+        assert_bf16_rounding_of(bf16, ref)
 
 
 @pytest.mark.parametrize("scale", [None, 1.0, 0.1])
