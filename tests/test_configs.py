@@ -29,18 +29,39 @@ def test_every_choice_composes(group):
 
 @pytest.mark.parametrize("attention", group_choices("mixer"))
 @pytest.mark.parametrize("ffn", group_choices("ffn"))
-def test_every_block_pair_builds_and_trains_one_step(attention, ffn):
+def test_every_block_pair_builds_and_trains_one_step(attention, ffn, monkeypatch):
+    """Every parameter of every block gets a finite, non-zero gradient, and the configured optimizer's
+    step moves every parameter and lowers the loss on the batch; DSA runs with top-k below the length,
+    through its sparse kernels (the cost model would pick the masked path at this length)."""
+    import model.ops.sparse_attention as sa
     from model import DecoderLM
+    from training.optim import build_optimizer
 
     cfg = compose_train(f"attention={attention}", f"ffn={ffn}", "model.hidden_size=64", "model.num_hidden_layers=2",
-                        "model.num_attention_heads=2", "model.num_key_value_heads=2", "model.intermediate_size=128")
+                        "model.num_attention_heads=2", "model.num_key_value_heads=2", "model.intermediate_size=128",
+                        *(["attention.options.topk=8"] if attention == "dsa" else []))
+    ran = []
+    monkeypatch.setattr(sa, "attention_path", lambda *args: "sparse")
+    sparse_kernel = sa.sparse_attention_with_probs
+    monkeypatch.setattr(sa, "sparse_attention_with_probs", lambda q, k, v, sel, *a: ran.append(sel.indices) or
+                        sparse_kernel(q, k, v, sel, *a))
     torch.manual_seed(0)
     m = DecoderLM(lm_config(cfg, vocab_size=97, eos_token_id=0))
-    x = torch.randint(0, 97, (2, 40))
+    x = torch.randint(0, 97, (2, 40), generator=torch.Generator().manual_seed(0))
     out = m(input_ids=x, labels=x)
     assert torch.isfinite(out.loss)
     out.loss.backward()
-    assert all(p.grad is not None for n, p in m.named_parameters() if p.requires_grad and "indexer" not in n)
+    if attention == "dsa":  # every layer's attention over 8 of up to 40 keys
+        assert len(ran) == 2 and all(idx.shape == (2, 40, 8) for idx in ran)
+    else:
+        assert not ran
+    for name, p in m.named_parameters():  # every block's every parameter (the DSA indexer's from its KL)
+        assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+    before = {n: p.detach().clone() for n, p in m.named_parameters()}
+    build_optimizer(m, cfg.optimizer, cfg.trainer.lr).step()
+    assert [n for n, p in m.named_parameters() if torch.equal(p, before[n])] == []
+    with torch.no_grad():
+        assert m(input_ids=x, labels=x).loss < out.loss
     assert m.flops_per_token(40) > 0
 
 
