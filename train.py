@@ -8,6 +8,7 @@ finish() evaluates, exports <run_dir>/final as an HF model directory, plots and 
 import math
 import sys
 import time
+from pathlib import Path
 
 import hydra
 import torch
@@ -31,8 +32,9 @@ def main(cfg: DictConfig) -> float:
 
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        return train(cfg)
-    except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one line, no traceback
+        return train(checked_config(cfg, HydraConfig.get().overrides.task))
+    except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one line, no traceback,
+        remove_hydra_only_dir(Path(HydraConfig.get().runtime.output_dir))  # and no run dir left behind
         message = f"error: {e}"
     except SystemExit as e:  # non-finite loss: already reported
         if not (multirun and e.code):
@@ -42,6 +44,27 @@ def main(cfg: DictConfig) -> float:
         print(message, file=sys.stderr)
         raise JobFailed(message)
     sys.exit(message)
+
+
+def checked_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
+    """The config to train with: on resume, the run's saved config with what may change on resume
+    (training/config.py config_for_resume); every value checked (training/validation.py)."""
+    from training.config import config_for_resume, saved_config_path
+    from training.validation import check_train_config
+
+    saved = saved_config_path(cfg.resume, cfg.run_dir) if cfg.resume and (cfg.run_dir or cfg.resume != "auto") else None
+    if saved is not None:
+        cfg = config_for_resume(cfg, OmegaConf.load(saved), overrides, saved)
+    check_train_config(cfg)
+    return cfg
+
+
+def remove_hydra_only_dir(folder: Path) -> None:
+    """Hydra's run dir of a job that failed before starting, if it holds only what Hydra wrote."""
+    import shutil
+
+    if folder.is_dir() and {p.name for p in folder.iterdir()} <= {".hydra", "train.log"}:
+        shutil.rmtree(folder)
 
 
 def train_step(run: Run) -> tuple[float, dict, float]:
@@ -90,7 +113,9 @@ def evaluate(run: Run) -> dict:
     sums = a.reduce(torch.stack([r["loss_sum"], r["count"]]), reduction="sum")
     out = summarize(sums[0].item(), sums[1].item(), run.data.bytes_per_token)
     out["val/tokens"] = int(sums[1].item())
-    out.update({f"val/{k}": v for k, v in r["aux"].items()})
+    # r["aux"] holds this rank's means over its forwards: the mean over all ranks weights each by its tokens
+    aux = a.reduce({k: v * r["count"] for k, v in r["aux"].items()}, reduction="sum")
+    out.update({f"val/{k}": v / sums[1] for k, v in aux.items()})
     if run.data.extra_eval is not None:
         out.update(run.data.extra_eval(run.lm, a.device))
     return out
@@ -125,6 +150,7 @@ def train(cfg: DictConfig) -> float:
         t0 = time.perf_counter()
         loss, aux, grad_norm = train_step(run)
         if not math.isfinite(loss):
+            bar.close()
             a.print(f"error: loss became non-finite ({loss}) at step {run.step}; stopping. "
                     f"Last good checkpoint: {run.last_ckpt or 'none'}")
             a.end_training()
@@ -149,8 +175,9 @@ def train(cfg: DictConfig) -> float:
         if (step % tc.ckpt_every == 0 and not last) or stopping:
             save(run)
         if stopping:
-            a.print(f"\n{stop.signal or 'stop signal'}: saved {run.last_ckpt} at step {step}; "
-                    f"continue with run_dir={run.run_dir} resume=auto")
+            a.print(f"\n{stop.signal or 'stop signal'}: saved {run.last_ckpt} at step {step}; continue with "
+                    f"`python train.py run_dir={run.run_dir} resume=auto` (or the same under `accelerate launch`: "
+                    f"any process count resumes; only the steps, cadences and logger may change)")
             a.end_training()
             return float("nan")
     bar.close()
@@ -188,8 +215,11 @@ def finish(run: Run, last_log: dict) -> float:
     final = evaluate(run) if run.step % tc.eval_every else {k: v for k, v in last_log.items() if k.startswith("val/")}
     folder = export_final(run.lm, run.data.tokenizer, OmegaConf.to_yaml(cfg, resolve=True), run.run_dir)
     if a.is_main_process:
-        plot_loss_curves(run.run_dir)
-        plot_moe_load(run.run_dir)  # no-op without MoE layers
+        plots = [p for p in [plot_loss_curves(run.run_dir), *plot_moe_load(run.run_dir)] if p]  # MoE: heatmap, imbalance
+        if cfg.logger.name == "wandb":
+            from training.tracking import finish_run
+
+            finish_run(a, run.run_dir, run.lm.parameter_counts(), time.time() - run.t_origin, plots)
         lines = [f"val loss {final['val/loss']:.4f} | ppl {final['val/ppl']:.2f}"
                  + (f" | bpb {final['val/bpb']:.4f}" if "val/bpb" in final else "")]
         lines += [f"{k} {v:.4f}" for k, v in final.items()

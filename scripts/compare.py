@@ -16,12 +16,13 @@ Writes to --out (default reports/<date>_<time>): compare.md, compare.csv and
 - val_loss_tokens.png, val_loss_time.png: val loss against tokens seen and wall-clock seconds;
 - throughput.png: training tokens/s per run (MFU in the label);
 - moe_load.png: per-expert share of routed tokens (layer x expert) at the last log, one panel per
-  MoE run (needs metrics.jsonl: W&B keeps only histograms of the loads);
+  MoE run (W&B runs log each expert's load as its own scalar, moe/layer<i>/expert<j>/load);
 - mqar_state.png, mqar_width.png (runs with val/mqar_acc): MQAR accuracy against recurrent state
   size (numbers held by the decode cache per sequence after seq_len tokens, summed over layers:
   softmax K/V = 2 L T H_kv d_head, gdn/linear H K V (+ normaliser/conv buffers), mamba2 H P N
   (+ conv)) and against d_model, one line per mixer, as in zoology.
-Parameter counts come from run_info.json or the W&B config; else the model is rebuilt from the
+Columns also give the W&B group and eval.py's scores (eval/..., from <run>/final/eval/eval.json and
+checkpoints/step_N/eval/eval.json, or the W&B run's summary). Parameter counts come from run_info.json or the W&B config; else the model is rebuilt from the
 config (on the meta device) and counted.
 
 --best-over KEY (a dotted config key, e.g. trainer.lr): runs whose configs differ only in KEY and seed
@@ -44,10 +45,11 @@ from pathlib import Path
 
 from training.plots import LOAD  # moe/layer<i>/load
 from training.metrics import read_metrics
+from training.tracking import schedule_tag
 
 ROOT = Path(__file__).resolve().parents[1]
 
-COLUMNS = ["run", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",
+COLUMNS = ["run", "group", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",
            "val_ppl", "val_bpb", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s", "moe_imbalance", "mqar_acc",
            "state_size", "source"]
 
@@ -61,7 +63,8 @@ class Run:
     params: dict | None = None
     complete: bool = True
     note: str = ""
-    summary: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)  # eval.py's scores under eval/ (eval/step_N/ for a checkpoint)
+    group: str = ""
 
     def __post_init__(self):
         from training.config import with_current_names
@@ -76,9 +79,13 @@ def read_local(run_dir: Path) -> Run:
     cfg_file = next((p for p in (run_dir / "config.yaml", run_dir / "final" / "training_config.yaml") if p.exists()), None)
     config = OmegaConf.to_container(OmegaConf.load(cfg_file)) if cfg_file else {}
     info = json.loads((run_dir / "run_info.json").read_text()) if (run_dir / "run_info.json").exists() else {}
-    run = Run(run_dir.name, str(run_dir), config, read_metrics(run_dir), info.get("params"))
+    run = Run(run_dir.name, str(run_dir), config, read_metrics(run_dir), info.get("params"), group=info.get("group") or "")
     if not (run_dir / "final").exists():
         run.complete, run.note = False, "no final/ (unfinished or failed)"
+    for report in [run_dir / "final" / "eval" / "eval.json", *sorted(run_dir.glob("checkpoints/step_*/eval/eval.json"))]:
+        if report.exists():
+            prefix = "eval/" if report.parts[-3] == "final" else f"eval/{report.parts[-3]}/"
+            run.summary.update({prefix + k: v for k, v in json.loads(report.read_text()).get("scores", {}).items()})
     return run
 
 
@@ -118,32 +125,47 @@ def unflatten(items) -> dict:
     return out
 
 
+EXPERT_LOAD = re.compile(r"^(moe/layer\d+)/expert(\d+)/load$")
+
+
 def history_row(values: dict) -> dict:
-    """A W&B history row -> a metrics row: 'step' from _step, wall-clock from _runtime, histograms dropped."""
+    """A W&B history row -> a metrics row: 'step' from _step, wall-clock from _runtime, per-expert
+    scalars back into moe/layer<i>/load vectors, media dropped."""
     row = {k: v for k, v in values.items() if not k.startswith("_") and not isinstance(v, (dict, list))}
+    loads = {}
+    for k in [k for k in row if EXPERT_LOAD.match(k)]:
+        m = EXPERT_LOAD.match(k)
+        loads.setdefault(m.group(1), {})[int(m.group(2))] = row.pop(k)
+    for layer, by_expert in loads.items():
+        row[f"{layer}/load"] = [by_expert.get(e, 0.0) for e in range(max(by_expert) + 1)]
     row["step"] = values.get("_step", 0)
     if "_runtime" in values and "time/elapsed" not in row:
         row["time/elapsed"] = values["_runtime"]
     return row
 
 
-def read_wandb_offline(folder: Path) -> Run:
-    files = sorted(folder.glob("run-*.wandb"))
-    config, rows, exit_code, name = {}, [], None, folder.name
-    for record in wandb_records(files[0]):
-        kind = record.WhichOneof("record_type")
-        if kind == "run":
-            config.update(unflatten(record.run.config.update))
-            name = record.run.display_name or record.run.run_id
-        elif kind == "config":
-            config.update(unflatten(record.config.update))
-        elif kind == "history":
-            flat = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
-            rows.append(history_row({**flat, "_step": record.history.step.num}))
-        elif kind == "exit":
-            exit_code = record.exit.exit_code
+def read_wandb_offline(folders: list[Path]) -> Run:
+    """One W&B run from its offline folders (training, each resume, each eval.py), oldest first: later
+    folders add history rows (a step logged twice keeps its later value), config and summary."""
+    config, rows, summary, exit_code, name, group = {}, {}, {}, None, folders[0].name, ""
+    for folder in folders:
+        for record in wandb_records(next(folder.glob("run-*.wandb"))):
+            kind = record.WhichOneof("record_type")
+            if kind == "run":
+                config.update(unflatten(record.run.config.update))
+                name, group = record.run.display_name or record.run.run_id, record.run.run_group or group
+            elif kind == "config":
+                config.update(unflatten(record.config.update))
+            elif kind == "history":
+                flat = {"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.history.item}
+                rows[record.history.step.num] = history_row({**flat, "_step": record.history.step.num})
+            elif kind == "summary":
+                summary.update({"/".join(i.nested_key) or i.key: json.loads(i.value_json) for i in record.summary.update})
+            elif kind == "exit" and config.get("trainer"):  # an eval.py folder's exit is not the training's
+                exit_code = record.exit.exit_code
     config.pop("_wandb", None)
-    run = Run(name, str(folder), config, rows, config.pop("params", None))
+    run = Run(name, str(folders[-1]), config, [rows[k] for k in sorted(rows)], config.pop("params", None),
+              summary={k: v for k, v in summary.items() if k.startswith("eval/")}, group=group)
     if exit_code != 0:
         run.complete, run.note = False, "W&B run did not finish" if exit_code is None else f"W&B exit code {exit_code}"
     return run
@@ -159,7 +181,8 @@ def read_wandb_api(path: str) -> list[Run]:
     runs = []
     for r in wandb.Api().runs("/".join(parts[:2]), filters=filters):
         config = {k: v for k, v in r.config.items() if not k.startswith("_")}
-        run = Run(r.name, r.url, config, [history_row(h) for h in r.scan_history()], config.pop("params", None))
+        run = Run(r.name, r.url, config, [history_row(h) for h in r.scan_history()], config.pop("params", None),
+                  summary={k: v for k, v in r.summary.items() if k.startswith("eval/")}, group=r.group or "")
         if r.state != "finished":
             run.complete, run.note = False, f"W&B state {r.state}"
         runs.append(run)
@@ -171,8 +194,9 @@ def natural_key(path: Path) -> list:
 
 
 def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
-    """Runs under the given paths (a run dir's own wandb/ folder is not read twice)."""
-    runs, notes, seen = [], [], set()
+    """Runs under the given paths (a run dir's own wandb/ folder is not read twice; the offline
+    folders of one W&B run id are read as one run)."""
+    runs, notes, seen, offline = [], [], set(), {}
 
     def visit(p: Path):
         if p.resolve() in seen:
@@ -181,7 +205,11 @@ def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
         if (p / "metrics.jsonl").exists():
             runs.append(read_local(p))
         elif list(p.glob("run-*.wandb")):
-            runs.append(read_wandb_offline(p))
+            run_id = next(p.glob("run-*.wandb")).stem.removeprefix("run-")
+            if run_id not in offline:
+                offline[run_id] = []
+                runs.append(run_id)  # a placeholder, read once all its folders are found
+            offline[run_id].append(p)
         elif p.is_dir():
             children = [c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".")]
             for child in sorted(children, key=natural_key):  # sweep jobs in job order: 2_x before 10_x
@@ -195,6 +223,7 @@ def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
         visit(p)
         if len(runs) == before:
             notes.append(f"{p}: no runs found (no metrics.jsonl or run-*.wandb)")
+    runs = [read_wandb_offline(sorted(offline[r], key=lambda f: f.name)) if isinstance(r, str) else r for r in runs]
     return runs, notes
 
 
@@ -278,8 +307,8 @@ def summarize_run(run: Run) -> dict:
     ffn = cfg_get(c, "model.ffn") or cfg_get(c, "ffn.name") or cfg_get(c, "arch.ffn")
     clock = wall_clock(rows)
     s = {
-        "run": run.name, "mixer": "+".join(mixer) if isinstance(mixer, list) else mixer,
-        "ffn": "+".join(ffn) if isinstance(ffn, list) else ffn, "d_model": cfg_get(c, "model.hidden_size"),
+        "run": run.name, "mixer": schedule_tag(mixer) if isinstance(mixer, list) else mixer,
+        "ffn": schedule_tag(ffn) if isinstance(ffn, list) else ffn, "d_model": cfg_get(c, "model.hidden_size"),
         "layers": cfg_get(c, "model.num_hidden_layers"),
         "params_total": (run.params or {}).get("total"), "params_active": (run.params or {}).get("active"),
         "tokens": last(rows, "tokens_seen"), "val_loss": last(rows, "val/loss"), "val_ppl": last(rows, "val/ppl"),
@@ -287,7 +316,8 @@ def summarize_run(run: Run) -> dict:
         "mfu": median_after_first(rows, "perf/mfu"),
         "peak_mem_gb": max((r["perf/peak_mem_gb"] for r in rows if "perf/peak_mem_gb" in r), default=None),
         "wall_s": clock[-1][1] if clock else None, "moe_imbalance": last(rows, "moe/imbalance"),
-        "mqar_acc": last(rows, "val/mqar_acc"), "state_size": None, "source": run.source,
+        "mqar_acc": last(rows, "val/mqar_acc"), "state_size": None, "group": run.group or None, "source": run.source,
+        **{k: v for k, v in run.summary.items() if k.startswith("eval/") and isinstance(v, (int, float))},
     }
     if s["mqar_acc"] is not None and c:
         s["state_size"] = state_size(c)
@@ -495,7 +525,8 @@ def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_ov
     out.mkdir(parents=True, exist_ok=True)
     slice_cols = sorted({k for s in summaries for k in s if k.startswith("mqar_acc/")},
                         key=lambda k: tuple(int(x) for x in k.split("/")[1].split("x")))
-    columns = COLUMNS[:-2] + slice_cols + COLUMNS[-2:]
+    eval_cols = sorted({k for s in summaries for k in s if k.startswith("eval/")})
+    columns = COLUMNS[:-2] + slice_cols + eval_cols + COLUMNS[-2:]
     with (out / "compare.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()

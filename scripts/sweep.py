@@ -8,7 +8,8 @@ launch` (or plain python), continuing past failed jobs, then print a summary.
 Arguments are train.py overrides; `key=a,b,c` (commas outside brackets) is a sweep axis, the grid
 is their product in the order given (the first job is the reference for --match-params). Each job
 runs as its own `accelerate launch train.py <overrides> run_dir=<out>/<i>_<values>`, so a sweep is
-never run inside every rank (as `train.py -m` under `accelerate launch` would). Output: one run dir
+never run inside every rank (as `train.py -m` under `accelerate launch` would). Every job gets one
+W&B group, `<experiment or sweep>-<date>-<time>` (printed; unless logger.group is given). Output: one run dir
 per job, its console log <out>/<i>_<values>.log, and <out>/sweep.json (job, overrides, status,
 seconds, final val loss), updated after every job; exit status 1 if any job failed.
 
@@ -170,8 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: {e}")
     out = Path(args.out or ROOT / "multirun" / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}_sweep").resolve()
 
+    # One W&B group for the whole sweep (unless given): its jobs are one comparison.
+    given_group = any(o.lstrip("+~").startswith("logger.group=") for o in overrides)
+    group = None if given_group else f"{compose(grid[0]).get('experiment_name') or 'sweep'}-{time.strftime('%Y%m%d-%H%M%S')}"
     jobs, target = [], None
     for i, job in enumerate(grid):
+        if group:
+            job = job + [f"++logger.group={group}"]
         cfg = compose(job)
         if args.match_params != "none":
             if target is None:
@@ -184,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
                      "params": parameter_counts(cfg), "status": "pending"})
     launcher = launcher_command(args)
     shown = "python" if args.launcher == "python" else " ".join(["accelerate launch", *launcher[3:]])
-    print(f"sweep of {len(jobs)} job(s) -> {out}\nlauncher: {shown} train.py ...")
+    print(f"sweep of {len(jobs)} job(s) -> {out}\nlauncher: {shown} train.py ..."
+          + (f"\nW&B group (with logger=wandb): {group}" if group else ""))
     for j in jobs:
         print(f"  {j['name']}: {' '.join(j['overrides'])} | {j['params']['total'] / 1e6:.3f}M params "
               f"({j['params']['active'] / 1e6:.3f}M active)")

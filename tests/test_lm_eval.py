@@ -1,10 +1,13 @@
-"""scripts/run_lm_eval.py: a saved checkpoint loads through AutoModelForCausalLM and lm-evaluation-harness
-scores it on a local task (a YAML + a jsonl written here); the harness's accuracy equals the one from
-our own log-likelihoods."""
+"""eval.py's lm-evaluation-harness path: a saved checkpoint is scored on a local task (a YAML + a jsonl
+written here). The harness's log-likelihood of every choice equals the one computed from our model
+directly, and the accuracy eval.py reports equals the argmax of those."""
 import json
 
 import pytest
 import torch
+from omegaconf import OmegaConf
+
+from conftest import ROOT
 
 pytest.importorskip("lm_eval", reason="lm-eval is in requirements-eval.txt")
 
@@ -36,9 +39,19 @@ def checkpoint(tmp_path_factory):
     tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
     torch.manual_seed(0)
     model = DecoderLM(LMConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                               attention=["gdn", "softmax"], max_position_embeddings=64, eos_token_id=tok.eos_token_id))
+                               mixer=["gdn", "softmax"], max_position_embeddings=64, eos_token_id=tok.eos_token_id))
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
+    # what eval.py reads besides the weights: the training config (its data: a local text folder)
+    texts = folder.parent / "texts"
+    texts.mkdir()
+    for i in range(4):
+        (texts / f"{i}.txt").write_text("\n".join(d["question"] + d["choices"][d["answer"]] for d in DOCS) * 40)
+    train_cfg = {"data": {"name": "local", "path": str(texts), "tokenizer": "bpe", "vocab_size": 300, "text_column": "text",
+                          "max_documents": None, "val_fraction": 0.5, "document_mask": True, "num_proc": 1,
+                          "bpe_train_bytes": None, "cache_dir": str(folder.parent / "cache"), "cache_shared": False},
+                 "trainer": {"seq_len": 32}}
+    (folder / "training_config.yaml").write_text(OmegaConf.to_yaml(train_cfg))
     return folder
 
 
@@ -64,45 +77,63 @@ metric_list:
     return folder
 
 
-def own_accuracy(folder) -> float:
-    """argmax over choices of log p(choice | question), computed with our model directly; the
-    continuation's tokens are those of tokenize(question + choice) after tokenize(question)."""
+def own_log_likelihoods(folder) -> list[list[float]]:
+    """log p(choice | question) of every choice, from our model directly, as the harness defines it: the
+    continuation's tokens are those of tokenize(question + choice) after the first len(tokenize(question)),
+    read after tokenize(question) (where the two tokenizations merge across the boundary, as "(" + "'"
+    does here, this is not tokenize(question + choice))."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import model  # noqa: F401
 
     lm, tok = AutoModelForCausalLM.from_pretrained(folder).eval(), AutoTokenizer.from_pretrained(folder)
-    correct = 0
+    out = []
     for d in DOCS:
         ctx = tok(d["question"], add_special_tokens=False)["input_ids"]
         scores = []
         for choice in d["choices"]:
-            whole = tok(d["question"] + choice, add_special_tokens=False)["input_ids"]
+            ids = ctx + tok(d["question"] + choice, add_special_tokens=False)["input_ids"][len(ctx):]
             with torch.no_grad():
-                logp = lm(input_ids=torch.tensor([whole])).logits[0].log_softmax(-1)
-            scores.append(sum(logp[t - 1, whole[t]].item() for t in range(len(ctx), len(whole))))
-        correct += max(range(len(scores)), key=scores.__getitem__) == d["answer"]
-    return correct / len(DOCS)
+                logp = lm(input_ids=torch.tensor([ids])).logits[0].double().log_softmax(-1)
+            scores.append(sum(logp[t - 1, ids[t]].item() for t in range(len(ctx), len(ids))))
+        out.append(scores)
+    return out
 
 
-def test_lm_eval_on_local_task(checkpoint, task_dir, tmp_path, capsys):
-    from scripts import run_lm_eval as script
+def test_harness_log_likelihood_of_every_choice_is_ours(checkpoint):
+    from lm_eval.api.instance import Instance
 
-    out = tmp_path / "results.json"
-    # A run dir works too: its final/ is used. Batch size 4 (loglikelihood batches carry no padding mask).
-    assert script.main([str(checkpoint.parent), "--tasks", "tiny_choice", "--include-path", str(task_dir),
-                        "--batch-size", "4", "--device", "cpu", "--out", str(out)]) == 0
-    acc = json.loads(out.read_text())["results"]["tiny_choice"]["acc,none"]
-    assert acc == pytest.approx(own_accuracy(checkpoint))
-    assert "tiny_choice" in capsys.readouterr().out
+    from training.checkpoint import load_lm
+    from training.evaluation import harness_model
+
+    wrapped = harness_model(load_lm(checkpoint, dtype=torch.float32).eval(), checkpoint, "cpu", batch_size=4)
+    requests = [Instance(request_type="loglikelihood", doc=d, arguments=(d["question"], c), idx=i)
+                for d in DOCS for i, c in enumerate(d["choices"])]
+    theirs = [ll for ll, _ in wrapped.loglikelihood(requests)]
+    ours = [ll for scores in own_log_likelihoods(checkpoint) for ll in scores]
+    assert theirs == pytest.approx(ours, abs=1e-4)
+    assert len(set(round(x, 3) for x in ours)) == len(ours)  # distinct values: a permutation would be caught
 
 
-def test_tokenizerless_checkpoint_fails_clearly(checkpoint, task_dir, tmp_path):
-    from scripts import run_lm_eval as script
+@pytest.mark.slow
+def test_eval_py_reports_the_harness_accuracy(checkpoint, task_dir, tmp_path, capsys):
+    import eval as eval_py
+
+    cfg = OmegaConf.load(ROOT / "configs" / "eval.yaml")
+    cfg.merge_with({"checkpoint": str(checkpoint.parent), "tasks": ["tiny_choice"], "include_path": str(task_dir),
+                    "lm_eval_batch_size": 4, "device": "cpu", "batches": 0, "sample_tokens": 0, "out_dir": str(tmp_path)})
+    report = eval_py.evaluate(cfg)  # a run dir works too: its final/ is used
+    expected = sum(max(range(3), key=s.__getitem__) == d["answer"]
+                   for s, d in zip(own_log_likelihoods(checkpoint), DOCS)) / len(DOCS)
+    assert report["scores"]["lm_eval/tiny_choice/acc"] == pytest.approx(expected)
+    assert json.loads((tmp_path / "eval.json").read_text())["lm_eval"]["tiny_choice"]["acc"] == pytest.approx(expected)
+    assert "lm_eval/tiny_choice/acc" in capsys.readouterr().out
+
+
+def test_tokenizerless_checkpoint_fails_clearly(checkpoint, tmp_path):
+    from training.evaluation import harness_model
 
     bare = tmp_path / "bare"
     bare.mkdir()
-    for f in ("config.json", "model.safetensors"):
-        (bare / f).write_bytes((checkpoint / f).read_bytes())
-    with pytest.raises(SystemExit, match="has no tokenizer"):
-        script.main([str(bare), "--tasks", "tiny_choice", "--include-path", str(task_dir)])
+    with pytest.raises(FileNotFoundError, match="has no tokenizer"):
+        harness_model(None, bare, "cpu")

@@ -1,5 +1,6 @@
 """Hydra glue: one-line errors for unknown group choices, the `attention` alias of the mixer group,
-the rank-zero run-dir resolver, the blocks' option schemas, and cfg -> LMConfig."""
+the rank-zero run-dir resolver, the blocks' option schemas, cfg -> LMConfig, and the config of a
+resumed run (its saved one, with what may change on resume)."""
 import os
 import sys
 import tempfile
@@ -96,3 +97,61 @@ def lm_config(cfg, vocab_size: int, eos_token_id: int | None):
         ffn_options={cfg.ffn.name: OmegaConf.to_container(cfg.ffn.options, resolve=True)},
         **m,
     )
+
+
+# What an override given on resume may change: nothing that changes the model, the data order or the
+# optimizer (a key, or a prefix ending in "." or "_").
+RESUMABLE = ("trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.ckpt_every",
+             "trainer.keep_checkpoints", "trainer.sample_", "trainer.compile", "logger.", "data.num_proc",
+             "data.cache_dir", "data.cache_shared", "run_dir", "resume")
+
+
+def resumable(key: str) -> bool:
+    return any(key == r or (r[-1] in "._" and key.startswith(r)) for r in RESUMABLE)
+
+
+def saved_config_path(resume: str, run_dir: str | None) -> Path | None:
+    """The config a resumed run was saved with: <run_dir>/config.yaml for resume=auto, a checkpoint's
+    training_config.yaml, or a run dir's config.yaml; None if there is none (a new run)."""
+    where = Path(run_dir) if resume == "auto" else Path(resume)
+    return next((p for p in (where / "training_config.yaml", where / "config.yaml") if p.exists()), None)
+
+
+def config_for_resume(cfg, saved, overrides: list[str], saved_path: Path):
+    """The saved config of the run being resumed, with those of this command's overrides that may
+    change on resume (RESUMABLE) applied. An override that would change anything else is a one-line
+    error naming the key, its saved and its new value. A value that differs only because a default
+    changed since the run started keeps its saved value."""
+    from omegaconf import OmegaConf
+
+    from training.validation import leaves
+
+    given = set()
+    for arg in resolve_aliases(overrides):
+        key = arg.lstrip("+~").partition("=")[0]
+        if not key.startswith("hydra."):
+            given.add(key)
+    if "experiment" in given:  # an experiment sets keys anywhere: it is given, or it is the same one
+        given.add("experiment_name")
+    new = leaves(OmegaConf.to_container(cfg, resolve=True))
+    old = leaves(OmegaConf.to_container(saved, resolve=True))
+    merged = OmegaConf.create(OmegaConf.to_container(saved, resolve=True))
+    missing = object()
+    for key in sorted(new.keys() | old.keys(), key=lambda k: (not k.endswith(".name"), k)):  # mixer.name first
+        before, after = old.get(key, missing), new.get(key, missing)
+        if before == after:
+            continue
+        touched = any(key == g or key.startswith((g + ".", g + "[")) for g in given)
+        if not touched:
+            continue
+        if not resumable(key):
+            shown = lambda v: "(absent)" if v is missing else repr(v)  # noqa: E731
+            raise ValueError(f"resume: {key} was {shown(before)} in {saved_path}, the command gives {shown(after)}; on "
+                             f"resume only trainer.max_steps, the log/eval/checkpoint cadences, sampling, trainer.compile, "
+                             f"logger.* and data caching may change (start a new run_dir to change the rest)")
+        if after is missing:  # e.g. logger=none drops logger.project
+            parent, _, leaf = key.rpartition(".")
+            OmegaConf.select(merged, parent).pop(leaf, None)
+        else:
+            OmegaConf.update(merged, key, after, force_add=True)
+    return merged

@@ -1,29 +1,13 @@
 """Metric sinks: <run_dir>/metrics.jsonl (always, main process) and the Accelerate trackers (W&B,
-offline unless logged in). Vector metrics (per-expert loads) go to jsonl as lists and to W&B as
-histograms."""
+offline unless logged in; training/tracking.py sets the run up). Vector metrics (per-expert loads) go
+to jsonl as lists and to W&B as one scalar per element, named by what the element is
+(moe/layer0/load -> moe/layer0/expert3/load), so that each expert is one line."""
 import json
 import math
-import netrc
-import os
-import secrets
+import re
 from pathlib import Path
 
 import torch
-
-
-def wandb_mode(requested: str) -> str:
-    """'auto' -> online if an API key is available (env or ~/.netrc), else offline: a first run
-    never asks for a key. WANDB_MODE in the environment wins."""
-    if os.environ.get("WANDB_MODE"):
-        return os.environ["WANDB_MODE"]
-    if requested != "auto":
-        return requested
-    if os.environ.get("WANDB_API_KEY"):
-        return "online"
-    try:
-        return "online" if netrc.netrc().authenticators("api.wandb.ai") else "offline"
-    except (FileNotFoundError, netrc.NetrcParseError):
-        return "offline"
 
 
 def to_python(value):
@@ -46,10 +30,23 @@ class MetricsWriter:
         with self.path.open("a") as f:
             f.write(json.dumps(row) + "\n")
         if self.use_tracker:
-            import wandb
-
-            tracked = {k: wandb.Histogram(v) if isinstance(v, list) else v for k, v in row.items() if k != "step"}
+            tracked = {}
+            for k, v in row.items():
+                if k != "step":
+                    tracked.update(per_element(k, v) if isinstance(v, list) else {k: v})
             self.accelerator.log(tracked, step=step)
+
+
+ELEMENT = re.compile(r"^(.*)/(group_)?load$")  # moe/layer<i>/load (per expert), moe/layer<i>/group_load (per group)
+
+
+def per_element(key: str, values: list) -> dict:
+    """A vector metric as scalars: moe/layer0/load -> moe/layer0/expert<j>/load, .../group_load ->
+    .../group<j>/load; any other vector -> <key>/<j>."""
+    if m := ELEMENT.match(key):
+        kind = "group" if m.group(2) else "expert"
+        return {f"{m.group(1)}/{kind}{j}/load": v for j, v in enumerate(values)}
+    return {f"{key}/{j}": v for j, v in enumerate(values)}
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -84,25 +81,3 @@ class Meter:
                **{k: v / n for k, v in self.aux.items()}}
         self.__init__()
         return out
-
-
-def init_wandb(accelerator, cfg, run_dir: Path, counts: dict) -> None:
-    """One W&B run per training run: its id is kept in <run_dir>/wandb_run_id, and a resumed run
-    continues it (resume="allow")."""
-    from accelerate.utils import broadcast_object_list
-    from omegaconf import OmegaConf
-
-    id_file = run_dir / "wandb_run_id"
-    run_id = [None]
-    if accelerator.is_main_process:
-        if not id_file.exists():
-            id_file.write_text(secrets.token_hex(4))  # the shape of W&B's own ids: 8 lowercase characters
-        run_id = [id_file.read_text().strip()]
-    broadcast_object_list(run_id)
-    arch = {"mixer": OmegaConf.to_container(cfg.model.mixer) if cfg.model.mixer else cfg.mixer.name,
-            "ffn": OmegaConf.to_container(cfg.model.ffn) if cfg.model.ffn else cfg.ffn.name, "size": cfg.model.size}
-    accelerator.init_trackers(
-        cfg.logger.project, config={**OmegaConf.to_container(cfg, resolve=True), "params": counts, "arch": arch},
-        init_kwargs={"wandb": {"name": f"{cfg.name}-{run_dir.name}", "group": cfg.logger.group, "id": run_id[0],
-                               "resume": "allow", "dir": str(run_dir), "mode": wandb_mode(cfg.logger.mode),
-                               "tags": [str(arch["mixer"]), str(arch["ffn"]), str(arch["size"]), *cfg.logger.tags]}})

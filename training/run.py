@@ -47,7 +47,6 @@ def setup(cfg: DictConfig) -> Run:
     from data import build_data
     from model import DecoderLM
     from training import checkpoint as ckpt
-    from training.metrics import init_wandb
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
     from training.perf import device_peak
 
@@ -64,9 +63,6 @@ def setup(cfg: DictConfig) -> Run:
     run_dir = [cfg.run_dir or HydraConfig.get().runtime.output_dir]
     broadcast_object_list(run_dir)
     run_dir = Path(run_dir[0])
-    if state.is_main_process:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     set_seed(cfg.seed)
 
     # Data: prepared by one process first, so the tokenizer/token caches are written once: the
@@ -75,8 +71,6 @@ def setup(cfg: DictConfig) -> Run:
         data = build_data(cfg.data, tc.seq_len, cfg.seed)
     eos = data.tokenizer.eos_token_id if data.tokenizer is not None else None
     lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
-    if tc.seq_len > lm.config.max_position_embeddings:
-        raise ValueError(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings={lm.config.max_position_embeddings}")
     if cfg.init_from:
         report = ckpt.load_matching_weights(lm, cfg.init_from)
         state.print(f"init_from {cfg.init_from}: loaded {len(report['loaded'])} tensors; "
@@ -102,17 +96,6 @@ def setup(cfg: DictConfig) -> Run:
 
     counts = lm.parameter_counts()
     flops_per_token = 3 * lm.flops_per_token(tc.seq_len)  # training: forward + backward
-    if cfg.logger.name == "wandb":
-        init_wandb(accelerator, cfg, run_dir, counts)
-    if accelerator.is_main_process:
-        (run_dir / "run_info.json").write_text(json.dumps({
-            "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
-            "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
-            "train_flops_per_token": flops_per_token, "processes": world,
-            "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
-            "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
-            "data": cfg.data.name, "data_info": data.info, "group": cfg.logger.get("group")}, indent=1))
-
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
               optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
               scheduler=scheduler, micro=micro,
@@ -126,6 +109,26 @@ def setup(cfg: DictConfig) -> Run:
         run.t_origin -= saved["elapsed"]  # time/elapsed continues from where the checkpoint left off
         accelerator.print(f"resumed from {resume_from} at step {run.step}"
                           + (f" (saved by {saved['processes']} process(es), now {world})" if saved["processes"] != world else ""))
+
+    # Written once everything that can fail on bad input has run: a run that fails before leaves no files.
+    if accelerator.is_main_process:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    accelerator.wait_for_everyone()
+    group = None
+    if cfg.logger.name == "wandb":
+        from training.tracking import init_run, wandb_group
+
+        init_run(accelerator, cfg, run_dir, counts)
+        group = wandb_group(cfg)
+    if accelerator.is_main_process:
+        (run_dir / "run_info.json").write_text(json.dumps({
+            "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
+            "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
+            "train_flops_per_token": flops_per_token, "processes": world,
+            "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
+            "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
+            "data": cfg.data.name, "data_info": data.info, "group": group}, indent=1))
     accelerator.print(
         f"run_dir {run_dir} | {counts['total'] / 1e6:.2f}M params ({counts['active'] / 1e6:.2f}M active) | "
         f"layers {lm.config.layer_mixers} x {lm.config.layer_ffns} | {len(data.train)} train / "

@@ -1,0 +1,173 @@
+"""Every bad trainer, model, data, optimizer and eval value is one line naming the key, the value and what
+is valid, before anything is written (training/validation.py); a resumed run takes its saved config,
+with only what may change on resume (training/config.py config_for_resume)."""
+import copy
+import functools
+import subprocess
+import sys
+
+import pytest
+from omegaconf import OmegaConf
+
+from conftest import ROOT
+from scripts.sweep import compose
+from training.config import config_for_resume, group_choices
+from training.validation import EVAL_RULES, TRAIN_RULES, check_eval_config, check_train_config, leaves, rule_for
+
+
+@functools.cache
+def composed_once(overrides: tuple):
+    return compose(list(overrides))
+
+
+def composed(*overrides):
+    return copy.deepcopy(composed_once(overrides))
+
+
+def every_train_config():
+    """The composed train.py config of every data, optimizer and experiment choice."""
+    for data in group_choices("data"):
+        for optimizer in group_choices("optimizer"):
+            yield composed(f"data={data}", f"optimizer={optimizer}")
+    for experiment in group_choices("experiment"):
+        yield composed(f"experiment={experiment}")
+
+
+def test_every_number_and_flag_has_a_rule():
+    """A new option cannot go unchecked: every int, float or bool in any composed config (and in eval's)
+    is covered by a rule (block options are their dataclasses' business)."""
+    unchecked = set()
+    for cfg in every_train_config():
+        for key, value in leaves(OmegaConf.to_container(cfg, resolve=True)).items():
+            if isinstance(value, (bool, int, float)) and not key.startswith(("mixer.", "ffn.")):
+                if rule_for(key, TRAIN_RULES) is None:
+                    unchecked.add(key)
+    eval_cfg = OmegaConf.load(ROOT / "configs" / "eval.yaml")
+    for key, value in leaves(OmegaConf.to_container(eval_cfg)).items():
+        if isinstance(value, (bool, int, float)) and rule_for(key, EVAL_RULES) is None:
+            unchecked.add(f"eval: {key}")
+    assert not unchecked, sorted(unchecked)
+
+
+def bad_values(rule):
+    """Values the rule must refuse: past each bound, the wrong type, null where not nullable."""
+    if rule.choices:
+        return ["nope"]
+    if rule.kind is bool:
+        return ["yes", 1]
+    if rule.kind is str:
+        return [3]
+    out = ["abc"] if rule.kind is float else [1.5, "abc"]
+    out += [rule.at_least - (1 if rule.kind is int else 0.5)] if rule.at_least is not None else []
+    out += [rule.above] if rule.above is not None else []
+    out += [rule.at_most + 0.5] if rule.at_most is not None else []
+    out += [rule.below] if rule.below is not None else []
+    return out + ([] if rule.nullable else [None])
+
+
+def train_cases():
+    for key, rule in TRAIN_RULES.items():
+        data = ("data=mqar" if key.startswith(("data.power_a", "data.train", "data.test")) else
+                "data=hf" if key in ("data.max_tokens", "data.streaming", "data.bpe_train_bytes") else None)
+        for value in bad_values(rule):
+            yield pytest.param(key, value, data, id=f"{key}={value!r}")
+
+
+@pytest.mark.parametrize("key,value,data", list(train_cases()))
+def test_bad_train_value_is_one_line(key, value, data):
+    cfg = composed(*([data] if data else []))
+    target = key.replace("[]", "[0]")
+    OmegaConf.update(cfg, target.replace("[0]", ".0") if "[0]" in target else target, value, force_add=True)
+    with pytest.raises(ValueError) as e:
+        check_train_config(cfg)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"{target}={value!r}; valid: "), message
+
+
+@pytest.mark.parametrize("key,value", [(k, v) for k, rule in EVAL_RULES.items() if not k.startswith("data.")
+                                       for v in bad_values(rule)])
+def test_bad_eval_value_is_one_line(key, value):
+    cfg = OmegaConf.load(ROOT / "configs" / "eval.yaml")
+    OmegaConf.update(cfg, key, value)
+    with pytest.raises(ValueError, match=f"^{key}={value!r}; valid: ".replace("(", r"\(").replace(")", r"\)")
+                       .replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
+        check_eval_config(cfg)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["model.hidden_size=100", "model.num_attention_heads=3"],
+     "model.hidden_size=100 does not split into model.num_attention_heads=3 heads; valid: a multiple of 3"),
+    (["model.num_attention_heads=4", "model.num_key_value_heads=3"],
+     "model.num_key_value_heads=3; valid: a divisor of model.num_attention_heads=4"),
+    (["trainer.batch_size=6", "trainer.grad_accum=4"], "trainer.grad_accum=4; valid: a divisor of trainer.batch_size=6"),
+    (["trainer.seq_len=8192"], "trainer.seq_len=8192 exceeds model.max_position_embeddings=4096"),
+    (["trainer.warmup_steps=500"], "trainer.warmup_steps=500; valid: <= trainer.max_steps=120"),
+    (["trainer.schedule=wsd", "trainer.warmup_steps=110"], "trainer.warmup_steps=110; valid with schedule=wsd: <= "),
+    (["data.vocab_size=200"], "data.vocab_size=200; valid: >= 257 with data.tokenizer=bpe"),
+    (["model.mixer=[gdn,softmax]"], "model.mixer lists 2 layers; valid: one name per layer (model.num_hidden_layers=4)"),
+])
+def test_values_that_do_not_fit_each_other(overrides, message):
+    with pytest.raises(ValueError) as e:
+        check_train_config(composed(*overrides))
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
+
+
+def test_every_shipped_config_passes():
+    for cfg in every_train_config():
+        check_train_config(cfg)
+    check_eval_config(OmegaConf.load(ROOT / "configs" / "eval.yaml"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides,line", [
+    (["trainer.max_steps=0"], "error: trainer.max_steps=0; valid: an integer >= 1"),
+    (["data=local", "data.path=/nonexistent/x.txt"], "error: data.path '/nonexistent/x.txt' does not exist"),
+])
+def test_train_py_prints_one_line_and_leaves_nothing(tmp_path, overrides, line):
+    """Checked before anything is written, or failing while data is prepared: either way one line, and
+    no run dir (not even Hydra's .hydra/)."""
+    run = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "train.py", *overrides, f"run_dir={run}"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and proc.stderr.strip() == line, proc.stderr[-2000:]
+    assert not run.exists()
+
+
+# ---- resume -------------------------------------------------------------------------------------
+def saved_run(tmp_path):
+    """A gdn + moe run's saved config.yaml, as train.py writes it."""
+    cfg = composed("mixer=gdn", "ffn=moe", "trainer.max_steps=50", f"run_dir={tmp_path}")
+    path = tmp_path / "config.yaml"
+    path.write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    return OmegaConf.load(path), path
+
+
+def resume_with(tmp_path, *overrides):
+    saved, path = saved_run(tmp_path)
+    given = [f"run_dir={tmp_path}", "resume=auto", *overrides]
+    return config_for_resume(composed(*given), saved, given, path)
+
+
+def test_resume_takes_the_saved_config(tmp_path):
+    cfg = resume_with(tmp_path)
+    assert (cfg.mixer.name, cfg.ffn.name, cfg.trainer.max_steps, cfg.trainer.lr) == ("gdn", "moe", 50, 0.02)
+    assert cfg.resume == "auto" and cfg.name == "gdn-moe-tiny"
+
+
+def test_resume_applies_what_may_change(tmp_path):
+    cfg = resume_with(tmp_path, "trainer.max_steps=80", "trainer.eval_every=7", "logger=none", "trainer.sample_tokens=0")
+    assert (cfg.trainer.max_steps, cfg.trainer.eval_every, cfg.logger.name, cfg.trainer.sample_tokens) == (80, 7, "none", 0)
+    assert cfg.mixer.name == "gdn" and "project" not in cfg.logger  # logger=none replaced the logger group
+
+
+@pytest.mark.parametrize("override,key", [
+    ("mixer=softmax", "mixer.name"), ("ffn=dense", "ffn.name"), ("trainer.lr=0.5", "trainer.lr"),
+    ("trainer.batch_size=16", "trainer.batch_size"), ("optimizer=adamw", "optimizer.name"), ("seed=3", "seed"),
+    ("model.hidden_size=128", "model.hidden_size"), ("data.vocab_size=512", "data.vocab_size"),
+    ("model.intermediate_size=256", "model.intermediate_size"), ("experiment=compare", "experiment_name"),
+])
+def test_resume_refuses_what_changes_the_run(tmp_path, override, key):
+    with pytest.raises(ValueError) as e:
+        resume_with(tmp_path, override)
+    message = str(e.value)
+    assert message.startswith(f"resume: {key} was ") and str(tmp_path / "config.yaml") in message and "\n" not in message

@@ -1,0 +1,185 @@
+"""Every trainer, model, data, optimizer and eval option's valid values, checked once, before anything is
+written: a bad value is one line naming the key, the value and what is valid.
+
+TRAIN_RULES / EVAL_RULES map a dotted key (list elements as key[]) to its Rule; every number or flag in a composed train.py / eval.py config must
+have one (tests/test_validation.py enforces that, so a new option cannot go unchecked). Checks between
+keys (heads that do not split a width, a batch that does not split into micro-batches) follow the
+per-key ones. Block options (mixer.options.*, ffn.options.*) are checked by their own dataclasses
+(model/options.py)."""
+import re
+from dataclasses import dataclass
+
+from omegaconf import OmegaConf
+
+
+@dataclass(frozen=True)
+class Rule:
+    kind: type                       # int, float, bool or str
+    at_least: float | None = None
+    above: float | None = None
+    at_most: float | None = None
+    below: float | None = None
+    choices: tuple | None = None
+    nullable: bool = False
+
+    def valid(self) -> str:
+        if self.choices:
+            text = "one of " + ", ".join(map(str, self.choices))
+        else:
+            text = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[self.kind]
+            bounds = [f">= {self.at_least:g}" if self.at_least is not None else None,
+                      f"> {self.above:g}" if self.above is not None else None,
+                      f"<= {self.at_most:g}" if self.at_most is not None else None,
+                      f"< {self.below:g}" if self.below is not None else None]
+            text += " " + " and ".join(b for b in bounds if b) if any(bounds) else ""
+        return text + (" or null" if self.nullable else "")
+
+    def accepts(self, value) -> bool:
+        if value is None:
+            return self.nullable
+        if self.choices:
+            return value in self.choices
+        if self.kind is bool:
+            return isinstance(value, bool)
+        numeric = (int, float) if self.kind is float else (self.kind,)
+        if not isinstance(value, numeric) or isinstance(value, bool):
+            return False
+        return ((self.at_least is None or value >= self.at_least) and (self.above is None or value > self.above)
+                and (self.at_most is None or value <= self.at_most) and (self.below is None or value < self.below))
+
+
+def positive(nullable=False):
+    return Rule(int, at_least=1, nullable=nullable)
+
+
+def count(nullable=False):
+    return Rule(int, at_least=0, nullable=nullable)
+
+
+FLAG = Rule(bool)
+FRACTION = Rule(float, above=0, below=1)  # strictly between 0 and 1
+
+TRAIN_RULES = {
+    "seed": count(),
+    "trainer.seq_len": Rule(int, at_least=2),  # position t predicts t + 1
+    "trainer.batch_size": positive(),
+    "trainer.grad_accum": positive(),
+    "trainer.max_steps": positive(),
+    "trainer.lr": Rule(float, above=0),
+    "trainer.min_lr_ratio": Rule(float, at_least=0, at_most=1),
+    "trainer.warmup_steps": count(),
+    "trainer.schedule": Rule(str, choices=("cosine", "wsd", "constant")),
+    "trainer.wsd_decay_fraction": Rule(float, above=0, at_most=1),
+    "trainer.grad_clip": Rule(float, above=0, nullable=True),
+    "trainer.bf16": FLAG,
+    "trainer.compile": FLAG,
+    "trainer.log_every": positive(),
+    "trainer.eval_every": positive(),
+    "trainer.eval_batches": positive(nullable=True),
+    "trainer.ckpt_every": positive(),
+    "trainer.keep_checkpoints": count(),  # 0 keeps every checkpoint
+    "trainer.sample_tokens": count(),
+    "trainer.sample_temperature": Rule(float, at_least=0),
+    "trainer.sample_top_p": Rule(float, above=0, at_most=1),
+    "trainer.sample_repetition_penalty": Rule(float, above=0),
+    "model.hidden_size": positive(),
+    "model.num_hidden_layers": positive(),
+    "model.num_attention_heads": positive(),
+    "model.num_key_value_heads": positive(nullable=True),
+    "model.intermediate_size": positive(nullable=True),
+    "model.max_position_embeddings": Rule(int, at_least=2),
+    "model.tie_word_embeddings": FLAG,
+    "data.vocab_size": Rule(int, at_least=4),
+    "data.val_fraction": FRACTION,
+    "data.max_documents": positive(nullable=True),
+    "data.max_tokens": positive(nullable=True),
+    "data.document_mask": FLAG,
+    "data.num_proc": positive(nullable=True),
+    "data.bpe_train_bytes": positive(nullable=True),
+    "data.cache_shared": FLAG,
+    "data.streaming": FLAG,
+    "data.power_a": Rule(float, above=0),
+    "optimizer.weight_decay": Rule(float, at_least=0),
+    "optimizer.momentum": Rule(float, at_least=0, below=1),
+    "optimizer.nesterov": FLAG,
+    "optimizer.ns_steps": positive(),
+    "logger.mode": Rule(str, choices=("auto", "online", "offline", "disabled")),
+    # elements of list options, [] standing for any index
+    "optimizer.betas[]": Rule(float, at_least=0, below=1),
+    **{f"data.{split}[].{field}": rule for split in ("train", "test")
+       for field, rule in (("seq_len", Rule(int, at_least=2)), ("num_kv_pairs", positive()), ("num_examples", positive()))},
+}
+
+EVAL_RULES = {
+    "seed": count(),
+    "seq_len": Rule(int, at_least=2, nullable=True),
+    "batch_size": positive(),
+    "batches": count(nullable=True),  # 0: no perplexity
+    "sample_tokens": count(),
+    "num_samples": positive(),
+    "sample_temperature": Rule(float, at_least=0),
+    "sample_top_p": Rule(float, above=0, at_most=1),
+    "sample_repetition_penalty": Rule(float, above=0),
+    "limit": Rule(float, above=0, nullable=True),
+    "num_fewshot": count(nullable=True),
+    "lm_eval_batch_size": positive(),
+    "wandb": FLAG,
+    **{f"data.{k.removeprefix('data.')}": v for k, v in TRAIN_RULES.items() if k.startswith("data.")},
+}
+
+
+def leaves(config, prefix: str = "") -> dict:
+    """{dotted key: value} of every scalar in a nested config; list elements are keyed <key>[<i>]."""
+    if isinstance(config, dict):
+        items = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in config.items()]
+    elif isinstance(config, list):
+        items = [(f"{prefix}[{i}]", v) for i, v in enumerate(config)]
+    else:
+        return {prefix: config}
+    return {key: value for k, v in items for key, value in leaves(v, k).items()}
+
+
+def rule_for(key: str, rules: dict) -> Rule | None:
+    return rules.get(re.sub(r"\[\d+\]", "[]", key))
+
+
+def check_rules(values: dict, rules: dict) -> None:
+    for key, value in values.items():
+        if (rule := rule_for(key, rules)) is not None and not rule.accepts(value):
+            raise ValueError(f"{key}={value!r}; valid: {rule.valid()}")
+
+
+def check_train_config(cfg) -> None:
+    """The options of a composed train.py config, then the checks between them that need no data or
+    process count (training/run.py checks the batch against the processes, data/ the sequences)."""
+    values = leaves(OmegaConf.to_container(cfg, resolve=True))
+    check_rules(values, TRAIN_RULES)
+    m, tc = cfg.model, cfg.trainer
+    if m.hidden_size % m.num_attention_heads:
+        raise ValueError(f"model.hidden_size={m.hidden_size} does not split into model.num_attention_heads="
+                         f"{m.num_attention_heads} heads; valid: a multiple of {m.num_attention_heads}")
+    if m.num_key_value_heads and m.num_attention_heads % m.num_key_value_heads:
+        raise ValueError(f"model.num_key_value_heads={m.num_key_value_heads}; valid: a divisor of "
+                         f"model.num_attention_heads={m.num_attention_heads}")
+    if tc.batch_size % tc.grad_accum:
+        raise ValueError(f"trainer.grad_accum={tc.grad_accum}; valid: a divisor of trainer.batch_size={tc.batch_size}")
+    if tc.seq_len > m.max_position_embeddings:
+        raise ValueError(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    if cfg.data.get("tokenizer") == "bpe" and cfg.data.vocab_size < 257:
+        raise ValueError(f"data.vocab_size={cfg.data.vocab_size}; valid: >= 257 with data.tokenizer=bpe "
+                         f"(its 256 byte tokens and EOS)")
+    if tc.warmup_steps > tc.max_steps:
+        raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid: <= trainer.max_steps={tc.max_steps}")
+    decay = int(tc.max_steps * tc.wsd_decay_fraction)
+    if tc.schedule == "wsd" and tc.warmup_steps + decay > tc.max_steps:
+        raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid with schedule=wsd: <= trainer.max_steps - "
+                         f"the {decay} decay steps (wsd_decay_fraction={tc.wsd_decay_fraction}) = {tc.max_steps - decay}")
+    for group in ("mixer", "ffn"):
+        given = m.get(group)
+        if OmegaConf.is_list(given) and len(given) != m.num_hidden_layers:
+            raise ValueError(f"model.{group} lists {len(given)} layers; valid: one name per layer "
+                             f"(model.num_hidden_layers={m.num_hidden_layers}), one name, or null")
+
+
+def check_eval_config(cfg) -> None:
+    check_rules(leaves(OmegaConf.to_container(cfg, resolve=True)), EVAL_RULES)
