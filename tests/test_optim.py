@@ -1,6 +1,9 @@
 """Optimizers: which parameters Muon and AdamW get (a model with every mixer and MoE), stacked expert
 weights stepped as separate matrices, the float32 CPU step against torch's Muon step, one scheduler
-driving both parts across a state_dict round trip, FSDP refused; optimizer=adamw is a single AdamW."""
+driving both parts across a state_dict round trip, FSDP refused; optimizer=adamw is a single AdamW.
+Schedules: every step's lr of cosine, wsd and constant against their formulas."""
+import math
+
 import pytest
 import torch
 from accelerate.utils import DistributedType
@@ -8,7 +11,8 @@ from omegaconf import OmegaConf
 
 from model import DecoderLM, LMConfig
 from training.config import CONFIG_DIR
-from training.optim import CombinedOptimizer, Muon, build_optimizer, build_scheduler, muon_split, orthogonalize
+from training.optim import (SCHEDULES, CombinedOptimizer, Muon, build_optimizer, build_scheduler, muon_split,
+                            orthogonalize)
 
 MIXERS = ["softmax", "gdn", "derived_gdn", "mamba2", "linear", "dsa"]
 
@@ -127,6 +131,43 @@ def test_cpu_step_is_torch_muon_up_to_bf16():
                                orthogonalize(g, coefficients, 5, 1e-7), rtol=1e-4, atol=1e-5)
 
 
+def lr_factor(schedule: str, step: int, warmup: int, total: int, min_ratio: float, decay_fraction: float = 0.2):
+    """lr / trainer.lr after `step` scheduler steps, written from the formulas: linear warm-up over
+    `warmup` steps (from 0; wsd's from min_ratio, as transformers' get_wsd_schedule), then
+    cosine: min_ratio + (1 - min_ratio) (1 + cos(pi p)) / 2, p = (step - warmup) / (total - warmup);
+    wsd: 1 until the last int(decay_fraction total) steps, over which the same cosine decays to min_ratio;
+    constant: 1."""
+    if step < warmup:
+        return step / warmup if schedule != "wsd" else min_ratio + (1 - min_ratio) * step / warmup
+    if schedule == "constant":
+        return 1.0
+    start = warmup if schedule == "cosine" else total - int(decay_fraction * total)
+    p = min(1.0, max(0.0, (step - start) / (total - start)))
+    return min_ratio + (1 - min_ratio) * (1 + math.cos(math.pi * p)) / 2
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_schedule_lr_at_every_step_is_the_formula(schedule):
+    warmup, total, min_ratio, decay_fraction = 4, 20, 0.1, 0.25
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.5)
+    scheduler = build_scheduler(opt, OmegaConf.create({"schedule": schedule, "warmup_steps": warmup, "max_steps": total,
+                                                       "min_lr_ratio": min_ratio, "wsd_decay_fraction": decay_fraction}))
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(total):
+        opt.step()
+        scheduler.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    factors = [lr_factor(schedule, s, warmup, total, min_ratio, decay_fraction) for s in range(total + 1)]
+    assert lrs == pytest.approx([0.5 * f for f in factors], rel=1e-12, abs=1e-15)
+    # the formulas' landmarks: the peak after warm-up, the floor (cosine, wsd) at the last step
+    assert factors[warmup] == 1.0 and factors[warmup // 2] == {"wsd": 0.55}.get(schedule, 0.5)
+    assert factors[total] == pytest.approx({"constant": 1.0}.get(schedule, min_ratio))
+    if schedule == "cosine":
+        assert factors[(warmup + total) // 2] == pytest.approx((1 + min_ratio) / 2)
+    if schedule == "wsd":  # stable until the last int(0.25 x 20) = 5 steps
+        assert factors[15] == 1.0 and factors[16] < 1.0
+
+
 def test_one_scheduler_drives_both_parts_after_a_state_dict_round_trip():
     model = every_block_model()
     opt = build_optimizer(model, optimizer_cfg("muon"), lr=1e-2)
@@ -140,7 +181,7 @@ def test_one_scheduler_drives_both_parts_after_a_state_dict_round_trip():
         schedule.step()
         opt.zero_grad()
     lr = schedule.get_last_lr()[0]
-    assert 1e-3 < lr < 1e-2
+    assert lr == pytest.approx(1e-2 * lr_factor("cosine", 4, warmup=2, total=10, min_ratio=0.1))
     assert [g["lr"] for part in opt.parts for g in part.param_groups] == [lr] * 4
     assert all(s["momentum_buffer"].abs().sum() > 0 for s in opt.parts[0].state.values())
     fresh = build_optimizer(every_block_model(), optimizer_cfg("muon"), lr=1e-2)
