@@ -4,7 +4,9 @@ Loss, perplexity and bits per byte on the val split the model was trained on (or
 loss by position (a PNG), generation samples with decode tokens/s, and lm-evaluation-harness tasks
 (`tasks=[lambada_openai,hellaswag]`, with requirements-eval.txt installed). Results go to
 <model dir>/eval/eval.json (and the PNG), and into the training run's W&B run, if it had one, under
-eval/ (eval/step_N/ for a mid-run checkpoint). scripts/compare.py shows them as columns.
+eval/ (eval/step_N/ for a mid-run checkpoint). scripts/compare.py shows them as columns. A MoE whose
+router is not causal (expert_choice, balanced) is also scored with its training routing over each
+forward's batch: val/batch_routing/... beside the token-choice val/... (docs/moe.md).
 Options: configs/eval.yaml.
 """
 import json
@@ -29,7 +31,9 @@ def evaluate(cfg: DictConfig) -> dict:
     from data import build_data
     from training.checkpoint import load_lm, weights_dir
     from training.validation import check_eval_config
-    from training.evaluation import evaluate_split, lm_eval_scores, plot_per_position, sample, summarize
+    from model.ffn.moe import batch_routing_at_eval
+    from training.evaluation import (batch_routing_scores, evaluate_split, lm_eval_scores, plot_per_position, sample,
+                                     summarize)
 
     check_eval_config(cfg)
     folder = weights_dir(cfg.checkpoint)
@@ -52,6 +56,11 @@ def evaluate(cfg: DictConfig) -> dict:
         scores["val/tokens"] = int(r["count"].item())
         scores.update({f"val/{k}": v.item() for k, v in r["aux"].items() if v.numel() == 1})
         report["per_position_loss"] = r["per_position"].tolist()
+        with batch_routing_at_eval(lm) as batch_routed:
+            if batch_routed:  # expert_choice / balanced: the same sequences routed as in training (not causal)
+                r = evaluate_split(lm, data.val, cfg.batch_size, cfg.batches and cfg.batches * cfg.batch_size, device,
+                                   data.bytes_per_token)
+                scores.update(batch_routing_scores(summarize(r["loss_sum"].item(), r["count"].item(), data.bytes_per_token)))
     if data.extra_eval is not None:  # MQAR accuracy
         scores.update(data.extra_eval(lm, device))
 

@@ -97,14 +97,27 @@ def train_step(run: Run) -> tuple[float, dict, float]:
     run.step += 1
     if hasattr(grad_norm, "full_tensor"):  # a DTensor under FSDP2
         grad_norm = grad_norm.full_tensor()
-    return a.reduce(step_loss, reduction="mean").item(), aux, float(grad_norm)
+    return a.reduce(step_loss, reduction="mean").item(), mean_over_processes(a, aux), float(grad_norm)
+
+
+def mean_over_processes(a, metrics: dict) -> dict:
+    """Each aux metric's mean over all processes, in one all-reduce (every process reports the same
+    names and shapes): the logged MoE loads and balance statistics then cover the whole global batch,
+    as with 1 process and accumulation, not the main process's share."""
+    if a.num_processes == 1 or not metrics:
+        return metrics
+    flat = a.reduce(torch.cat([v.float().flatten() for v in metrics.values()]), reduction="mean")
+    return {k: part.view_as(v) for (k, v), part in zip(metrics.items(), flat.split([v.numel() for v in metrics.values()]))}
 
 
 def evaluate(run: Run) -> dict:
     """Val loss / ppl / bpb over the first eval_batches x batch_size val sequences, whatever the
     process count (every process scores its share, in forwards of its micro-batch size), the number
-    of val tokens scored, and the data's own extra evaluation (MQAR accuracy)."""
-    from training.evaluation import evaluate_split, summarize
+    of val tokens scored, and the data's own extra evaluation (MQAR accuracy). A model whose MoE
+    router is not causal (expert_choice, balanced) is scored twice: val/ with token-choice routing,
+    val/batch_routing/ with its training routing over each evaluation forward's batch."""
+    from model.ffn.moe import batch_routing_at_eval
+    from training.evaluation import batch_routing_scores, evaluate_split, summarize
 
     a, tc = run.accelerator, run.cfg.trainer
     sequences = None if tc.eval_batches is None else tc.eval_batches * tc.batch_size
@@ -116,6 +129,12 @@ def evaluate(run: Run) -> dict:
     # r["aux"] holds this rank's means over its forwards: the mean over all ranks weights each by its tokens
     aux = a.reduce({k: v * r["count"] for k, v in r["aux"].items()}, reduction="sum")
     out.update({f"val/{k}": v / sums[1] for k, v in aux.items()})
+    with batch_routing_at_eval(run.lm) as batch_routed:
+        if batch_routed:  # expert_choice / balanced: the same sequences routed as in training (not causal)
+            r = evaluate_split(run.lm, run.data.val, run.micro, sequences, a.device,
+                               run.data.bytes_per_token, a.process_index, a.num_processes, a.autocast)
+            sums = a.reduce(torch.stack([r["loss_sum"], r["count"]]), reduction="sum")
+            out.update(batch_routing_scores(summarize(sums[0].item(), sums[1].item(), run.data.bytes_per_token)))
     if run.data.extra_eval is not None:
         out.update(run.data.extra_eval(run.lm, a.device))
     return out

@@ -60,6 +60,12 @@ def evaluate_split(model, split: Split, batch_size: int, max_sequences: int | No
     return result
 
 
+def batch_routing_scores(scores: dict[str, float]) -> dict[str, float]:
+    """summarize()'s val/ scores of an evaluation with batch routing (model/ffn/moe.py
+    batch_routing_at_eval) under val/batch_routing/."""
+    return {f"val/batch_routing/{k.removeprefix('val/')}": v for k, v in scores.items()}
+
+
 def summarize(loss_sum: float, count: float, bytes_per_token: float | None) -> dict[str, float]:
     loss = loss_sum / max(count, 1)
     out = {"val/loss": loss, "val/ppl": perplexity(loss)}

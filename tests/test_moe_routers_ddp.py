@@ -1,0 +1,56 @@
+"""2-process DDP (gloo, `accelerate launch` as tests/test_distributed.py) equals 1 process with
+gradient accumulation for every MoE router, through train.py's own train_step: the same losses, the
+same aux metrics (the group and expert loads, the balance losses, unrouted_frac, token_choice_overlap:
+means over both processes' micro-batches, not rank 0's own) and the same final weights (router,
+experts, the aux-free bias from loads all-reduced over ranks). Each launch trains every router
+(tests/moe_routers_ddp_worker.py) and reports the process count that ran."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT
+
+DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+       str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
+
+
+def launch(launcher: list[str], out, grad_accum: int) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run([*launcher, "-m", "tests.moe_routers_ddp_worker", str(out), str(grad_accum)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(next(out.glob("world*.json")).read_text())
+
+
+def assert_close(a, b, where: str):
+    if isinstance(a, list):
+        assert len(a) == len(b), where
+        for x, y in zip(a, b):
+            assert_close(x, y, where)
+    else:
+        assert b == pytest.approx(a, abs=1e-5), where
+
+
+@pytest.mark.slow
+def test_ddp_equals_accumulation_for_every_router(tmp_path):
+    (tmp_path / "one").mkdir()
+    (tmp_path / "two").mkdir()
+    one = launch([sys.executable], tmp_path / "one", grad_accum=2)
+    two = launch(DDP, tmp_path / "two", grad_accum=1)
+    assert one["world_size"] == 1 and two["world_size"] == 2
+    assert sorted(one["routers"]) == sorted(two["routers"]) == ["balanced", "expert_choice", "hash", "topk"]
+    for router, ref in one["routers"].items():
+        got = two["routers"][router]
+        for step, (a, b) in enumerate(zip(ref["steps"], got["steps"], strict=True)):
+            assert sorted(a) == sorted(b), router
+            assert "moe/layer0/group_load" in a and "moe/group_imbalance" in a
+            for key in a:
+                assert_close(a[key], b[key], f"{router} step {step + 1} {key}")
+        for name, value in ref["weights"].items():
+            assert_close(value, got["weights"][name], f"{router} {name}")
+    topk = one["routers"]["topk"]
+    assert any(topk["weights"]["expert_bias"])  # the aux-free bias moved
+    assert one["routers"]["expert_choice"]["steps"][0]["moe/unrouted_frac"] > 0  # capacity 0.75 leaves tokens out
