@@ -61,7 +61,9 @@ def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_c
     assert configs[0]["trainer"]["lr"] != configs[1]["trainer"]["lr"]  # softmax and gdn are tuned apart
     assert {**configs[0]["trainer"], "lr": None} == {**configs[1]["trainer"], "lr": None}
     assert configs[0]["seed"] == configs[1]["seed"] and configs[0]["data"] == configs[1]["data"]
-    assert configs[0]["logger"]["group"] == configs[1]["logger"]["group"] == "tiny_sweep"
+    # one W&B group for the sweep: the experiment and the sweep folder
+    groups = [json.loads((p / "run_info.json").read_text())["group"] for p in runs]
+    assert groups[0] == groups[1] == f"tiny_sweep-{tmp_path.name}_sweep"
     for p in runs:
         assert (p / "final" / "model.safetensors").exists() and list(p.glob("wandb/offline-run-*"))
         assert read_metrics(p)[-1]["tokens_seen"] == 4 * 4 * 64
@@ -70,7 +72,8 @@ def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_c
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = list(csv.DictReader((tmp_path / "r" / "compare.csv").open()))
-    assert [(r["run"], r["mixer"]) for r in rows] == [("0_softmax-dense-tiny", "softmax"), ("1_gdn-dense-tiny", "gdn")]
+    assert [(r["run"], r["mixer"], r["group"]) for r in rows] == [("0_softmax-dense-tiny", "softmax", groups[0]),
+                                                                  ("1_gdn-dense-tiny", "gdn", groups[0])]
     for r, p in zip(rows, runs):
         assert float(r["val_loss"]) == pytest.approx(read_metrics(p)[-1]["val/loss"])
         assert int(r["params_total"]) == json.loads((p / "run_info.json").read_text())["params"]["total"]
@@ -87,7 +90,7 @@ def test_sweep_continues_past_a_failed_job(tmp_path, data_cache, capsys):
     jobs = json.loads((out / "sweep.json").read_text())
     assert [(j["name"], j["status"]) for j in jobs] == [("0_1", "ok"), ("1_3", "failed")]
     assert jobs[0]["val_loss"] > 0 and (out / "0_1" / "final").exists() and not (out / "1_3" / "final").exists()
-    assert "is not divisible" in (out / "1_3.log").read_text()
+    assert "trainer.grad_accum=3; valid: a divisor of trainer.batch_size=4" in (out / "1_3.log").read_text()
     assert "1/2 ok; not ok: 1_3" in text and "compare: python scripts/compare.py" in text
 
 
@@ -157,6 +160,9 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     mqar = [{**r, "val/mqar_acc": 0.5, "val/mqar_acc/32x4": 0.75, "val/mqar_acc/32x8": 0.25}
             for r in train_rows([10, 10], [1.0, 0.5])]
     write_run(runs / "d_mqar", tiny_config("experiment=mqar", "trainer.seq_len=32", "data.vocab_size=64"), mqar)
+    for where, bpb in (("final", 1.25), ("checkpoints/step_0000020", 1.5)):  # eval.py's reports
+        (runs / "a_softmax" / where / "eval").mkdir(parents=True)
+        (runs / "a_softmax" / where / "eval" / "eval.json").write_text(json.dumps({"scores": {"val/bpb": bpb}}))
     # offline W&B run inside a run dir with metrics.jsonl is not read twice
     (runs / "a_softmax" / "wandb").symlink_to(offline_wandb_run.parent)
 
@@ -179,7 +185,9 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     assert float(w["val_loss"]) == 2.25 and int(w["tokens"]) == 300 and int(w["params_active"]) == 1000
     assert w["mixer"] == "mamba2" and float(w["wall_s"]) > 0
     md = (out / "compare.md").read_text()
-    assert "skipped c_unfinished" in md and "no final/" in md and "| a_softmax | softmax | dense |" in md
+    assert "skipped c_unfinished" in md and "no final/" in md and "| a_softmax | - | softmax | dense |" in md
+    assert w["group"] == "g" and a["group"] == ""
+    assert (float(a["eval/val/bpb"]), float(a["eval/step_0000020/val/bpb"]), w["eval/val/bpb"]) == (1.25, 1.5, "")
     for png in ("val_loss_tokens", "val_loss_time", "throughput", "moe_load", "mqar_state", "mqar_width"):
         assert (out / f"{png}.png").stat().st_size > 1000, png
     assert len(result["summaries"]) == 4
@@ -196,7 +204,7 @@ def test_compare_reads_runs_saved_when_mixer_was_attention(tmp_path):
     s = compare.summarize_run(compare.read_local(tmp_path / "old_gdn"))
     built = DecoderLM(lm_config(OmegaConf.create(tiny_config("experiment=mqar", "mixer=gdn", "model.mixer=[gdn,softmax]",
                                                              "trainer.seq_len=32", "data.vocab_size=64")), 64, None))
-    assert s["mixer"] == "gdn+softmax" and s["params_total"] == built.parameter_counts()["total"]
+    assert s["mixer"] == "gdn:softmax 1:1" and s["params_total"] == built.parameter_counts()["total"]
     assert s["state_size"] > 2 * 32 * 32  # softmax's K, V at 32 tokens plus gdn's state
 
 
@@ -209,6 +217,7 @@ def test_compare_reads_wandb_api(tmp_path, monkeypatch):
         def __init__(self, name, state, config, history):
             self.name, self.state, self.url = name, state, f"https://wandb.ai/e/p/runs/{name}"
             self.config, self._history = {**config, "_wandb": {"x": 1}}, history
+            self.group, self.summary = "g", {"eval/val/bpb": 1.25, "eval/step_0000004/val/bpb": 1.5, "train/loss": 2.0}
 
         def scan_history(self):
             return iter(self._history)
@@ -233,6 +242,7 @@ def test_compare_reads_wandb_api(tmp_path, monkeypatch):
     r = rows[0]
     assert (r["mixer"], float(r["val_loss"]), int(r["tokens"]), float(r["wall_s"])) == ("gdn", 1.9, 5120, 6.0)
     assert (int(r["params_total"]), int(r["params_active"])) == (9, 8) and r["source"].startswith("https://wandb.ai/")
+    assert (r["group"], float(r["eval/val/bpb"]), float(r["eval/step_0000004/val/bpb"])) == ("g", 1.25, 1.5)
     assert "skipped api-running" in (out / "compare.md").read_text()
     with pytest.raises(SystemExit):
         compare.main(["--wandb", "just-a-project", "--out", str(out)])
