@@ -43,6 +43,7 @@ def test_match_params_equalises_active_counts():
     assert abs(sweep.parameter_counts(moe, sweep.match_intermediate_size(moe, target, "active"))["active"] - target) / target < 0.02
 
 
+@pytest.mark.slow
 def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_cache):
     """python train.py -m attention=softmax,gdn (W&B offline): two jobs with the same data, seed and
     tokens, each at its mixer's tuned lr, two complete runs; then the compare.py CLI tables both (their
@@ -79,6 +80,7 @@ def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_c
         assert int(r["params_total"]) == json.loads((p / "run_info.json").read_text())["params"]["total"]
 
 
+@pytest.mark.slow
 def test_sweep_continues_past_a_failed_job(tmp_path, data_cache, capsys):
     """sweep.py, two jobs at once: job 1 fails (batch 4 does not split into 3 accumulation steps), job 0 still completes;
     the summary names the failure and the exit status is 1."""
