@@ -21,7 +21,9 @@ Writes to --out (default reports/<date>_<time>): compare.md, compare.csv and
   size (numbers held by the decode cache per sequence after seq_len tokens, summed over layers:
   softmax K/V = 2 L T H_kv d_head, gdn/linear H K V (+ normaliser/conv buffers), mamba2 H P N
   (+ conv)) and against d_model, one line per mixer, as in zoology.
-Columns also give the W&B group and eval.py's scores (eval/..., from <run>/final/eval/eval.json and
+MoE runs show their router in the ffn column (moe:expert_choice; top-k is plain moe) and the last
+logged moe/dead_experts, moe/unrouted_frac, moe/token_choice_overlap and val/batch_routing/bpb
+(docs/moe.md). Columns also give the W&B group and eval.py's scores (eval/..., from <run>/final/eval/eval.json and
 checkpoints/step_N/eval/eval.json, or the W&B run's summary). Parameter counts come from run_info.json or the W&B config; else the model is rebuilt from the
 config (on the meta device) and counted.
 
@@ -50,7 +52,8 @@ from training.tracking import schedule_tag
 ROOT = Path(__file__).resolve().parents[1]
 
 COLUMNS = ["run", "group", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",
-           "val_ppl", "val_bpb", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s", "moe_imbalance", "mqar_acc",
+           "val_ppl", "val_bpb", "val_bpb_batch_routing", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s",
+           "moe_imbalance", "moe_dead_experts", "moe_unrouted_frac", "moe_token_choice_overlap", "mqar_acc",
            "state_size", "source"]
 
 
@@ -305,6 +308,9 @@ def summarize_run(run: Run) -> dict:
         run.params = build_model(c, meta=True).parameter_counts()
     mixer = cfg_get(c, "model.mixer") or cfg_get(c, "mixer.name") or cfg_get(c, "arch.mixer")
     ffn = cfg_get(c, "model.ffn") or cfg_get(c, "ffn.name") or cfg_get(c, "arch.ffn")
+    router = cfg_get(c, "ffn.options.router")
+    if router not in (None, "topk") and not isinstance(ffn, list):
+        ffn = f"{ffn}:{router}"  # moe:expert_choice (top-k, the default router, is plain moe)
     clock = wall_clock(rows)
     s = {
         "run": run.name, "mixer": schedule_tag(mixer) if isinstance(mixer, list) else mixer,
@@ -316,6 +322,8 @@ def summarize_run(run: Run) -> dict:
         "mfu": median_after_first(rows, "perf/mfu"),
         "peak_mem_gb": max((r["perf/peak_mem_gb"] for r in rows if "perf/peak_mem_gb" in r), default=None),
         "wall_s": clock[-1][1] if clock else None, "moe_imbalance": last(rows, "moe/imbalance"),
+        "val_bpb_batch_routing": last(rows, "val/batch_routing/bpb"), "moe_dead_experts": last(rows, "moe/dead_experts"),
+        "moe_unrouted_frac": last(rows, "moe/unrouted_frac"), "moe_token_choice_overlap": last(rows, "moe/token_choice_overlap"),
         "mqar_acc": last(rows, "val/mqar_acc"), "state_size": None, "group": run.group or None, "source": run.source,
         **{k: v for k, v in run.summary.items() if k.startswith("eval/") and isinstance(v, (int, float))},
     }

@@ -442,3 +442,21 @@ def test_hash_without_token_ids_is_one_line():
     m = make_moe(router="hash")
     with pytest.raises(ValueError, match="router=hash needs the input token ids"):
         m(torch.randn(4, 12))
+
+
+def test_compare_shows_the_router_and_its_metrics():
+    """scripts/compare.py's row of a MoE run: the router in the ffn column and the routing metrics
+    the comparison table needs, from the last log that has them."""
+    from scripts import compare
+
+    rows = [{"step": 10, "moe/imbalance": 1.3, "moe/dead_experts": 1.0, "moe/unrouted_frac": 0.2,
+             "moe/token_choice_overlap": 0.7},
+            {"step": 20, "val/loss": 2.0, "val/bpb": 1.5, "val/batch_routing/bpb": 1.4, "moe/imbalance": 1.0,
+             "moe/dead_experts": 0.0, "moe/unrouted_frac": 0.1, "moe/token_choice_overlap": 0.8}]
+    config = {"mixer": {"name": "softmax"}, "ffn": {"name": "moe", "options": {"router": "expert_choice"}},
+              "model": {"hidden_size": 32}}
+    s = compare.summarize_run(compare.Run("ec", "here", config, rows, params={"total": 1, "active": 1}))
+    assert (s["ffn"], s["val_bpb"], s["val_bpb_batch_routing"]) == ("moe:expert_choice", 1.5, 1.4)
+    assert (s["moe_imbalance"], s["moe_dead_experts"], s["moe_unrouted_frac"], s["moe_token_choice_overlap"]) == (1.0, 0.0, 0.1, 0.8)
+    config["ffn"]["options"]["router"] = "topk"
+    assert compare.summarize_run(compare.Run("tk", "here", config, rows, params={"total": 1, "active": 1}))["ffn"] == "moe"
