@@ -8,13 +8,20 @@ writes into run_dir:
 - moe_imbalance.png: max load / mean load per layer over steps (1 = balanced), and their mean.
 Nothing is written (and [] returned) when the run logged no MoE metrics.
 """
-import sys
+import argparse
 from pathlib import Path
 
 from training.plots import plot_moe_load
 
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("run_dir", type=Path, help="a training run's folder (it has metrics.jsonl)")
+    args = p.parse_args(argv)
+    paths = plot_moe_load(args.run_dir)
+    print("\n".join(map(str, paths)) if paths else f"no moe/ metrics in {args.run_dir / 'metrics.jsonl'}")
+    return 0
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        sys.exit(f"usage: python {Path(__file__).name} <run_dir>")
-    paths = plot_moe_load(sys.argv[1])
-    print("\n".join(map(str, paths)) if paths else f"no moe/ metrics in {Path(sys.argv[1]) / 'metrics.jsonl'}")
+    main()

@@ -245,6 +245,15 @@ def prepare_ours(sizes_mb: list[int]) -> str:
     return markdown_table(["corpus", "wall s", "peak RSS main MB", "of it anonymous MB", "peak RSS worker MB", "tokens"], rows)
 
 
+def main(argv: list[str] | None = None) -> None:
+    """python -m scripts.benchmarks.data 5 50 500: our preparation alone, per corpus size (after one
+    `python scripts/bench.py data`, which writes the tokenizer)."""
+    import argparse
+
+    p = argparse.ArgumentParser(description=main.__doc__)
+    p.add_argument("sizes_mb", nargs="+", type=int, help="corpus sizes in MB")
+    print(prepare_ours(p.parse_args(argv).sizes_mb))
+
+
 if __name__ == "__main__":
-    # python -m scripts.benchmarks.data 5 50 500   (after one `python scripts/bench.py data`, which writes the tokenizer)
-    print(prepare_ours([int(a) for a in sys.argv[1:]]))
+    main()

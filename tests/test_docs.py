@@ -1,0 +1,190 @@
+"""Docs that cannot rot: every `python train.py ...`, `python eval.py ...`, `python scripts/...` and
+`accelerate launch ...` command in README.md and docs/ is checked as it is written: Hydra commands
+compose (every sweep value, the config checks included), script commands parse with the script's own
+argument parser, and every repo file or config they name exists; so do the pages' relative links.
+A placeholder in <angle brackets> stands for the user's own value."""
+import argparse
+import importlib
+import re
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+FENCE = re.compile(r"```(?:bash|sh|shell|console)?\n(.*?)```", re.S)
+INLINE = re.compile(r"`([^`\n]+)`")
+STARTS = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:time\s+)?(python3?\s+(?:-m\s+scripts\.\w+|eval\.py|train\.py|scripts/\S+\.py)"
+                    r"|accelerate\s+launch)\b")
+REPO_PATH = re.compile(r"^(?:configs|scripts|docs|tests|model|data|training|common)/[\w./-]*[\w/]$|^[\w-]+\.(?:py|yaml|sh|txt)$")
+
+
+def commands(page: Path) -> list[str]:
+    """The commands a page shows: code-block lines (with `\\` continuations joined, comments dropped,
+    `&&` chains split) and inline code spans that start like one. A synopsis (with "...") and a bare
+    `accelerate launch` in prose are not commands."""
+    text = page.read_text()
+    lines = []
+    for block in FENCE.findall(text):
+        lines += re.sub(r"\\\n\s*", " ", block).splitlines()
+    lines += INLINE.findall(FENCE.sub("", text))
+    found = []
+    for line in lines:
+        for part in line.split("&&"):
+            part = re.sub(r"\s+#.*$", "", part.strip())
+            if STARTS.match(part) and "..." not in part and part != "accelerate launch":
+                found.append(part)
+    return found
+
+
+def all_commands() -> list[tuple[str, str]]:
+    return [(str(p.relative_to(ROOT)), c) for p in PAGES for c in commands(p)]
+
+
+def words(command: str) -> list[str]:
+    """shlex words, placeholders <...> as X, leading VAR=value and `time` dropped."""
+    out = shlex.split(re.sub(r"<[^<>]*>", "X", command))
+    while out and (re.match(r"^[A-Z_]+=", out[0]) or out[0] == "time"):
+        out.pop(0)
+    return out
+
+
+def check_paths(args: list[str]) -> None:
+    for arg in args:
+        for value in (arg, arg.partition("=")[2]):
+            if "X" not in value and REPO_PATH.match(value) and not value.startswith("data/"):
+                assert (ROOT / value).exists(), f"{value} does not exist"
+
+
+@pytest.fixture(scope="module")
+def hydra_configs():
+    """Hydra's configs/ initialised once for the module (composing is then cheap)."""
+    from hydra import initialize_config_dir
+
+    from training.config import register_hydra
+
+    register_hydra()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        yield
+
+
+def check_train(args: list[str]) -> None:
+    """train.py's overrides: the first and last job of the sweep they describe (with the experiment's
+    own axes) compose and pass the config checks."""
+    from hydra import compose
+    from omegaconf import open_dict
+
+    from scripts.sweep import expand_grid, split_values
+    from training.config import check_group_overrides, resolve_aliases
+    from training.validation import check_train_config
+
+    args = [a for a in args if a not in ("-m", "--multirun", "--cfg", "job", "X")]
+    overrides = resolve_aliases([a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
+    check_group_overrides(overrides)
+    first = [f"{k}={split_values(v)[0]}" for k, _, v in (o.partition("=") for o in overrides)]
+    given = {o.partition("=")[0].lstrip("+~") for o in overrides}
+    cfg = compose("train", first, return_hydra_config=True)
+    axes = {k: v for k, v in (cfg.hydra.sweeper.params or {}).items() if k not in given}
+    with open_dict(cfg):
+        del cfg["hydra"]
+    check_train_config(cfg)
+    last = expand_grid(overrides + [f"{k}={v}" for k, v in axes.items()])[-1]
+    if last != first:
+        check_train_config(compose("train", last))
+
+
+def check_eval(args: list[str]) -> None:
+    from hydra import compose
+
+    from training.validation import check_eval_config
+
+    check_eval_config(compose("eval", args))
+
+
+class Parsed(Exception):
+    def __init__(self, namespace):
+        self.namespace = namespace
+
+
+def check_script(module_name: str, args: list[str], monkeypatch) -> argparse.Namespace:
+    """The script's own argument parser on these arguments (main() stops right after parsing)."""
+    def parse_and_stop(self, argv=None, namespace=None):
+        raise Parsed(original(self, argv, namespace))
+
+    original = argparse.ArgumentParser.parse_args
+    module = importlib.import_module(module_name)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    monkeypatch.setattr(sys, "argv", [module_name, *args])
+    try:
+        module.main()
+    except Parsed as p:
+        return p.namespace
+    except SystemExit as e:
+        if e.code == 0:  # --help
+            return argparse.Namespace()
+        raise AssertionError(f"{module_name} {' '.join(args)}: the parser refused it (exit {e.code})") from None
+    raise AssertionError(f"{module_name} did not parse its arguments")
+
+
+def check(command: str, monkeypatch) -> None:
+    w = words(command)
+    if w[0] == "accelerate":  # accelerate launch [--config_file F ...] train.py ...
+        check_paths(w[2:])
+        w = ["python", *w[w.index(next(a for a in w if a.endswith("train.py"))):]]
+    script = w[2].replace(".", "/") + ".py" if w[1] == "-m" else w[1]
+    args = w[3:] if w[1] == "-m" else w[2:]
+    if "X" in script:  # python scripts/<name>.py: any script
+        return
+    assert (ROOT / script).exists(), f"{script} does not exist"
+    check_paths(args)
+    if script.endswith("train.py"):
+        check_train(args)
+    elif script == "eval.py":
+        check_eval(args)
+    else:
+        parsed = check_script(script.removesuffix(".py").replace("/", "."), args, monkeypatch)
+        if script == "scripts/sweep.py" and "overrides" in parsed:
+            check_train(parsed.overrides)
+        if script == "scripts/bench.py" and "suites" in parsed:
+            from scripts.bench import SUITES
+            assert set(parsed.suites) - {"X"} <= set(SUITES), parsed.suites
+
+
+def test_the_docs_show_commands():
+    found = all_commands()
+    pages = {page for page, _ in found}
+    assert "README.md" in pages and len(found) > 20, found
+    assert any(c.startswith("accelerate launch") for _, c in found)
+
+
+@pytest.mark.parametrize("page,command", all_commands(), ids=lambda x: x[:80] if isinstance(x, str) else x)
+def test_every_documented_command_composes(page, command, monkeypatch, hydra_configs):
+    check(command, monkeypatch)
+
+
+@pytest.mark.parametrize("bad,why", [
+    ("python train.py mixer=nope", "unknown mixer 'nope'"),
+    ("python train.py trainer.max_steps=0", "trainer.max_steps=0; valid"),
+    ("python train.py trainer.stepz=3", "Could not override 'trainer.stepz'"),
+    ("python train.py -m experiment=mqar mixer=gdn,nope", "unknown mixer 'nope'"),
+    ("python scripts/compare.py runs/ --best-overr trainer.lr", "the parser refused it"),
+    ("python scripts/sweep.py mixer=gdn trainer.max_steps=0 --dry-run", "trainer.max_steps=0; valid"),
+    ("python eval.py checkpoint=x batch_size=0", "batch_size=0; valid"),
+    ("python scripts/bench.py nosuchsuite", "nosuchsuite"),
+    ("accelerate launch --config_file configs/accelerate/nope.yaml train.py", "configs/accelerate/nope.yaml does not exist"),
+    ("python scripts/nope.py", "scripts/nope.py does not exist"),
+])
+def test_the_check_catches_a_broken_command(bad, why, monkeypatch, hydra_configs):
+    with pytest.raises(BaseException) as e:
+        check(bad, monkeypatch)
+    assert why in str(e.value)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_relative_links_resolve(page):
+    for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+        if not re.match(r"^[a-z]+://", target):
+            assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
