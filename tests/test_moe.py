@@ -246,14 +246,34 @@ def tiny_lm(ffn, **options) -> DecoderLM:
     return DecoderLM(config)
 
 
+def moe_output_cost(model: DecoderLM, data: torch.Tensor) -> float:
+    """How much the LM loss (eval mode) rises when every MoE layer's output is replaced by zeros."""
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        full = model(data, labels=data).lm_loss.item()
+        hooks = [m.register_forward_hook(lambda module, args, out: torch.zeros_like(out))
+                 for m in model.modules() if isinstance(m, MoE)]
+        assert hooks
+        ablated = model(data, labels=data).lm_loss.item()
+    for h in hooks:
+        h.remove()
+    model.train(was_training)
+    return ablated - full
+
+
 @pytest.mark.parametrize("ffn,options", [
     ("moe", dict(aux_free_bias=True, num_shared_experts=1)),
     (["dense", "moe"], dict(capacity_factor=1.25, score_func="sigmoid")),
 ])
 def test_tiny_lm_trains(ffn, options):
+    """The loss falls, and what was learnt runs through the MoE layers: zeroing their output costs the
+    trained model far more loss than it cost the model at init (it would cost nothing if the MoE's
+    output never reached the model)."""
     model = tiny_lm(ffn, **options)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(0))
+    at_init = moe_output_cost(model, data)
     losses = []
     for _ in range(8):
         out = model(data, labels=data)
@@ -265,6 +285,8 @@ def test_tiny_lm_trains(ffn, options):
                 module.after_optimizer_step()
         losses.append(out.lm_loss.item())
     assert losses[-1] < losses[0] - 0.3
+    trained = moe_output_cost(model, data)
+    assert trained > 0.02 and trained > 20 * abs(at_init), (at_init, trained)
     metrics = out.aux_metrics
     for name in ("balance_loss", "z_loss", "imbalance", "load_cv", "dead_experts", "router_entropy", "dropped_frac"):
         assert f"moe/{name}" in metrics
