@@ -186,8 +186,12 @@ def main(argv: list[str] | None = None) -> int:
                 job = job + [f"model.intermediate_size={match_intermediate_size(cfg, target, args.match_params)}"]
                 cfg = compose(job)
         name = f"{i}_{job_name(grid[i], overrides)}"
+        try:  # building the model checks the block options (a router option another router does not take)
+            params = parameter_counts(cfg)
+        except ValueError as e:
+            sys.exit(f"error: job {name}: {e}")
         jobs.append({"job": i, "name": name, "overrides": job, "run_dir": str(out / name),
-                     "params": parameter_counts(cfg), "status": "pending"})
+                     "params": params, "status": "pending"})
     launcher = launcher_command(args)
     shown = "python" if args.launcher == "python" else " ".join(["accelerate launch", *launcher[3:]])
     print(f"sweep of {len(jobs)} job(s) -> {out}\nlauncher: {shown} train.py ..."

@@ -460,3 +460,39 @@ def test_compare_shows_the_router_and_its_metrics():
     assert (s["moe_imbalance"], s["moe_dead_experts"], s["moe_unrouted_frac"], s["moe_token_choice_overlap"]) == (1.0, 0.0, 0.1, 0.8)
     config["ffn"]["options"]["router"] = "topk"
     assert compare.summarize_run(compare.Run("tk", "here", config, rows, params={"total": 1, "active": 1}))["ffn"] == "moe"
+
+
+def test_sweep_stops_in_one_line_at_a_job_whose_router_rejects_an_option(capsys):
+    """Before anything runs, scripts/sweep.py builds each job's model: a grid that crosses a router
+    with an option it does not take names the job, the key, the value and what is valid."""
+    from scripts import sweep
+
+    with pytest.raises(SystemExit) as e:
+        sweep.main(["ffn=moe", "ffn.options.router=topk,hash", "ffn.options.aux_free_bias=true", "--dry-run"])
+    assert e.value.code == "error: job 1_hash: moe aux_free_bias=True; valid: False with router=hash"
+
+
+@pytest.mark.slow
+def test_training_and_eval_report_the_val_loss_both_ways_for_expert_choice(tmp_path, data_cache):
+    """A non-causal router: train.py's evaluation and eval.py give val/ (token choice) and
+    val/batch_routing/ (expert choice over each evaluation batch) on the same sequences; with capacity
+    factor 0.5 expert choice leaves tokens without a routed expert, so the two differ (a little, after 4
+steps from an init whose experts barely write into the residual stream)."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT, run_train
+    from training.metrics import read_metrics
+
+    run = tmp_path / "ec"
+    run_train(run, "ffn=moe", "ffn.options.router=expert_choice", "ffn.options.expert_choice_capacity_factor=0.5",
+              "trainer.max_steps=4", "trainer.sample_tokens=0", cache=data_cache)
+    evals = [r for r in read_metrics(run) if "val/loss" in r]
+    assert len(evals) == 1 and abs(evals[0]["val/batch_routing/bpb"] - evals[0]["val/bpb"]) > 1e-5
+    train_rows = [r for r in read_metrics(run) if "moe/unrouted_frac" in r]
+    assert train_rows and all(r["moe/unrouted_frac"] > 0 for r in train_rows)
+    proc = subprocess.run([sys.executable, "eval.py", f"checkpoint={run}", "batches=2", "sample_tokens=0", "wandb=false",
+                           f"out_dir={tmp_path / 'eval'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    scores = json.loads((tmp_path / "eval" / "eval.json").read_text())["scores"]
+    assert abs(scores["val/batch_routing/loss"] - scores["val/loss"]) > 1e-5
