@@ -1,7 +1,9 @@
 """Multi-process training on CPU (gloo), each test asserting from the run's own output how many
-processes ran: 2-process DDP equals 1 process with gradient accumulation (dense, and MoE + DSA),
-DDP searches for unused parameters only where a block needs it, elastic resume (2 -> 1 and
-1 -> 2 processes continue the same loss curve), and torch FSDP2's export and checkpoint round trip."""
+processes ran: 2-process DDP equals 1 process with gradient accumulation (dense AdamW, and MoE + DSA
+under Muon) in its train losses and in its val metrics (the same val tokens scored, the same loss and
+aux metrics), DDP searches for unused parameters only where a block needs it, elastic resume (2 -> 1
+and 1 -> 2 processes continue the same run: its losses, val metrics and, where the LM loss cannot
+tell, the trained weights), and torch FSDP2's export and checkpoint round trip."""
 import json
 import os
 import shutil
@@ -10,18 +12,27 @@ import sys
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import ROOT, run_train
 from training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
 
 DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
        str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
 MOE_DSA = ["attention=dsa", "model.attention=[dsa,softmax]", "ffn=moe", "ffn.options.aux_free_bias=true", "attention.options.topk=16"]
 DSA_WARMUP = ["attention=dsa", "attention.options.stage=warmup", "attention.options.topk=16", "trainer.trainable=[indexer]"]
+VAL_TOKENS = 2 * 4 * 63  # conftest.TINY: eval_batches x batch_size sequences of seq_len 64, 63 targets each
 
 
 def losses(run_dir):
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def val_metrics(run_dir):
+    rows = [r for r in read_metrics(run_dir) if "val/loss" in r]
+    return {r["step"]: {k: v for k, v in r.items() if k.startswith("val/")} for r in rows}
 
 
 def run_info(run_dir):
@@ -34,23 +45,35 @@ def assert_same_losses(a: dict, b: dict, steps: list[int]):
         assert b[step] == pytest.approx(a[step], abs=1e-5), (step, a, b)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "muon"])
-def test_ddp_two_processes_equals_grad_accum_with_unused_search_off(tmp_path, data_cache, optimizer):
-    """Muon too: every rank orthogonalises the same all-reduced gradient."""
+def assert_same_val(a: dict, b: dict, steps: list[int]):
+    """The same val sequences scored (val/tokens, the whole eval_batches x batch_size of them) to the same
+    loss and aux metrics (e.g. the DSA indexer's recall, reduced over the ranks)."""
+    assert sorted(b) == steps, b
+    for step in steps:
+        assert a[step]["val/tokens"] == b[step]["val/tokens"] == VAL_TOKENS, (step, a[step], b[step])
+        assert a[step].keys() == b[step].keys(), (step, a[step], b[step])
+        for k, v in a[step].items():
+            assert b[step][k] == pytest.approx(v, rel=1e-4, abs=1e-9), (step, k, a[step], b[step])
+
+
+def test_ddp_two_processes_equals_grad_accum_with_unused_search_off(tmp_path, data_cache):
+    """Dense AdamW (Muon under DDP: the MoE + DSA test below)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", f"optimizer={optimizer}", cache=data_cache)
-    run_train(two, "trainer.max_steps=4", f"optimizer={optimizer}", launcher=DDP, cache=data_cache)
+    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", "optimizer=adamw", cache=data_cache)
+    run_train(two, "trainer.max_steps=4", "optimizer=adamw", launcher=DDP, cache=data_cache)
     assert run_info(one)["processes"] == 1 and run_info(two)["processes"] == 2
     # A dense model: every parameter gets a gradient, so DDP runs without the unused-parameter search.
     assert run_info(two)["ddp_find_unused_parameters"] is False
     assert_same_losses(losses(one), losses(two), [1, 2, 3, 4])
+    assert_same_val(val_metrics(one), val_metrics(two), [4])
     assert (two / "final" / "model.safetensors").exists()
 
 
 def test_ddp_moe_dsa_equals_grad_accum_and_resumes_on_one_process(tmp_path, data_cache):
-    """MoE with the aux-free bias (all-reduced load) + DSA's sparse stage: 2 processes give the
-    losses and the final router bias of 1 process with accumulation; its step-4 checkpoint then
-    resumes on 1 process and continues the same curve."""
+    """MoE with the aux-free bias (all-reduced load) + DSA's sparse stage, under Muon (the default;
+    every rank orthogonalises the same all-reduced gradient): 2 processes give the losses, val metrics
+    and final router bias of 1 process with accumulation; its step-4 checkpoint then resumes on 1
+    process and continues the same curve."""
     from safetensors.torch import load_file
 
     ref, two, resumed = tmp_path / "ref", tmp_path / "two", tmp_path / "resumed"
@@ -58,7 +81,10 @@ def test_ddp_moe_dsa_equals_grad_accum_and_resumes_on_one_process(tmp_path, data
     run_train(two, *MOE_DSA, "trainer.keep_checkpoints=5", launcher=DDP, cache=data_cache)
     info = run_info(two)
     assert info["processes"] == 2 and info["ddp_find_unused_parameters"] is True
+    assert OmegaConf.load(two / "config.yaml").optimizer.name == "muon"
     assert_same_losses(losses(ref), losses(two), list(range(1, 9)))
+    assert_same_val(val_metrics(ref), val_metrics(two), [4, 8])
+    assert "val/dsa/topk_attention_recall" in val_metrics(two)[8]
     bias = [k for k in load_file(ref / "final" / "model.safetensors") if "bias" in k and "ffn" in k]
     assert bias
     ref_w, two_w = load_file(ref / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
@@ -71,9 +97,15 @@ def test_ddp_moe_dsa_equals_grad_accum_and_resumes_on_one_process(tmp_path, data
     assert "saved by 2 process(es), now 1" in proc.stdout
     assert run_info(resumed)["processes"] == 1
     assert_same_losses(losses(ref), losses(resumed), [5, 6, 7, 8])
+    assert_same_val(val_metrics(ref), val_metrics(resumed), [8])
 
 
 def test_dsa_warmup_checkpoint_of_one_process_resumes_on_two(tmp_path, data_cache):
+    """In the warm-up stage only the indexer trains and the LM loss does not depend on it, so the
+    restored state shows in the indexer: its final weights (which also depend on the restored
+    optimizer state) and its val KL / recall equal the uninterrupted 1-process run's."""
+    from safetensors.torch import load_file
+
     one, resumed = tmp_path / "one", tmp_path / "resumed"
     run_train(one, *DSA_WARMUP, "trainer.keep_checkpoints=5", cache=data_cache)
     (resumed / "checkpoints").mkdir(parents=True)
@@ -82,6 +114,12 @@ def test_dsa_warmup_checkpoint_of_one_process_resumes_on_two(tmp_path, data_cach
     assert "saved by 1 process(es), now 2" in proc.stdout
     assert run_info(resumed)["processes"] == 2
     assert_same_losses(losses(one), losses(resumed), [5, 6, 7, 8])
+    assert_same_val(val_metrics(one), val_metrics(resumed), [8])
+    want, got = load_file(one / "final" / "model.safetensors"), load_file(resumed / "final" / "model.safetensors")
+    indexer = [k for k in want if ".indexer." in k]
+    assert indexer
+    for k in indexer:
+        torch.testing.assert_close(got[k], want[k], rtol=1e-5, atol=1e-7, msg=k)
 
 
 def test_fsdp_export_and_checkpoint_round_trip(tmp_path):
