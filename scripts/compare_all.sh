@@ -3,7 +3,7 @@
 # (active parameters matched), every mixer x MQAR widths x the MQAR experiment's learning rates
 # (experiment=mqar_quick by default), each over SEEDS, then both reports, each architecture at its
 # best lr (compare.py --best-over trainer.lr: mean and min-max over the seeds).
-# The defaults are 72 + 72 jobs: hours on 2 CPU cores (the README's tables ran subsets, with the
+# The defaults are 72 + 72 jobs: hours on 2 CPU cores (docs/studies/ tables ran subsets, with the
 # commands beside them).
 #   scripts/compare_all.sh [OUT]        (default multirun/compare_all/<date>_<time>)
 # Open OUT/report_corpus/compare.md and OUT/report_mqar/compare.md (tables + PNGs next to them).

@@ -4,7 +4,7 @@
 #   sbatch --nodes 2 --gpus-per-node 8 scripts/slurm_train.sh model=350m run_dir=/shared/runs/350m
 # Arguments are train.py's. run_dir must be on a filesystem every node sees (checkpoint shards from
 # every rank and the export are written there); resubmitting with the same run_dir and resume=auto
-# continues the run, on any node count (see README, "Many processes, GPUs and nodes").
+# continues the run, on any node count (docs/distributed.md).
 #SBATCH --job-name=swaplm
 #SBATCH --ntasks-per-node=1
 #SBATCH --exclusive

@@ -8,10 +8,11 @@
 already processed) before each call and the mixer keeps whatever continuation needs in it (KV for
 softmax/DSA; conv + recurrent state for the linear mixers). `aux` receives optional losses/metrics.
 `segments` (model/layers.py, document masking of a packed training batch, never with a cache): each
-token must see only its own document segment (dsa does not take it yet).
+token must see only its own document segment.
 Options: a mixer that has any declares them as a dataclass in its file (`Options`, fields from
 model/options.py `option`) and reads them with `config.options_for_mixer(name, Options)`, which checks
-them in one place (model/options.py parse_options). Each mixer may define `flops_per_token(seq_len)` (forward, multiply-add = 2 FLOPs) for MFU.
+them in one place (model/options.py parse_options). Each mixer defines `flops_per_token(seq_len)` (forward, multiply-add = 2 FLOPs), which
+DecoderLM.flops_per_token calls for every layer (MFU). The whole contract: docs/extending.md.
 """
 import importlib
 import pkgutil

@@ -18,7 +18,7 @@ Two paths compute attention over the selected keys, with the same outputs and gr
 shape. The naive references at the end are the tests' oracles: `naive_masked_attention`, a dense
 masked O(T S d) einsum (both paths' outputs and gradients), and per-query loops from the formulas.
 Everything accumulates in fp32 (fp64 for fp64 inputs). No installable GPU kernel fits these shapes
-(see README, "DSA on GPU"), so CUDA tensors run these same paths (cuSPARSE / fused SDPA).
+(docs/studies/dsa.md), so CUDA tensors run these same paths (cuSPARSE / fused SDPA).
 """
 import functools
 import logging
