@@ -76,6 +76,19 @@ def test_topk_lm_reproduces_the_values_before_routers():
         close(out.aux_metrics[name], value, torch.float32)
 
 
+def test_topk_lm_seeded_init_is_unchanged():
+    """The reference LM's weights are its seeded init (torch.manual_seed(0), then DecoderLM(config)) as
+    the code before the refactor drew it, bar the aux-free bias it then set: the router must draw from
+    the RNG at construction and initialise in the same order as before (shared experts included)."""
+    ref = torch.load(REFERENCE, weights_only=False)["lm"]
+    torch.manual_seed(0)
+    state = DecoderLM(LMConfig.from_dict(ref["config"])).state_dict()
+    assert sorted(state) == sorted(ref["state"])
+    for name, value in ref["state"].items():
+        if not name.endswith("expert_bias"):
+            assert torch.equal(state[name], value), name
+
+
 # ---- assignments against naive references ----------------------------------------------------------
 def scores_layer(router: str, N: int = 12, E: int = 4, seed: int = 0, **options) -> tuple[MoE, torch.Tensor]:
     m = randomise(make_moe(d=10, num_experts=E, expert_intermediate_size=5, router=router, **options).double(), seed)

@@ -38,16 +38,18 @@ class Routing:
         return cls(token, experts.flatten(), gates.flatten(), **rest)
 
 
-class ScoredRouter(nn.Module):
+class ScoredRouter(nn.Linear):
     """A router with weights W_r [E, d]: logits = x W_r^T in fp32 at least, scores softmax or sigmoid
-    over the experts. The MoE initialises `weight` (it owns the init of its parameters)."""
+    over the experts. An nn.Linear (no bias) that routes instead of projecting: its weight is a
+    hidden matrix to Muon (training/optim.py muon_split), its state key `router.weight`, and building
+    it draws from the RNG as the router's nn.Linear always did, so a seeded model's init is unchanged.
+    The MoE initialises `weight` (it owns the init of its parameters)."""
 
     def __init__(self, hidden_size: int, opts):
-        super().__init__()
+        super().__init__(hidden_size, opts.num_experts, bias=False)
         self.num_experts, self.top_k = opts.num_experts, opts.top_k
         self.score_func, self.norm_topk_prob, self.route_scale = opts.score_func, opts.norm_topk_prob, opts.route_scale
         self.num_groups, self.max_groups = opts.num_expert_groups, opts.max_groups_per_token
-        self.weight = nn.Parameter(torch.empty(opts.num_experts, hidden_size))
 
     def scores(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, d] -> logits, scores, probs [N, E] (probs: scores normalised to sum 1 per token)."""
