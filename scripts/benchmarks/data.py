@@ -124,7 +124,7 @@ def run_script(code: str, *args: str, hf_cache: Path) -> dict:
 def train_rss_mb(corpus: Path, tok_dir: Path, cache: Path, run_dir: Path, hf_cache: Path) -> float:
     """Peak RSS (MB) of train.py at its first logged step (the store already built)."""
     cmd = [sys.executable, str(ROOT / "train.py"), "data=local", f"data.path={corpus}", f"data.tokenizer={tok_dir}",
-           "data.val_fraction=0.01", f"data.cache_dir={cache}", "logger=none", "trainer.max_steps=1",
+           "data.val_fraction=0.01", f"data.cache_dir={cache}", "logger=none", "trainer.max_steps=1", "trainer.warmup_steps=0",
            "trainer.log_every=1", "trainer.eval_every=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
            f"run_dir={run_dir}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_DATASETS_CACHE": str(hf_cache)})
