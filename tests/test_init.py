@@ -190,6 +190,7 @@ def test_mamba2_memory_path_at_least_mamba_ssm(d):
     assert generic < 0.9 * ours, shares  # the generic N(0, 0.02) in_proj starts the memory path weaker
 
 
+@pytest.mark.slow  # ~15 s: trains each recurrent mixer on MQAR
 def test_recurrent_mixers_leave_chance_on_tiny_mqar():
     """2 layers, d 64, 4 pairs in 32 tokens, 16 values: at chance the query loss is ln 16. Each recurrent
     mixer at its default AdamW lr (trainer.lr's default under optimizer=adamw: lr.adamw in its
