@@ -65,7 +65,7 @@ TRAIN_RULES = {
     "trainer.batch_size": positive(),
     "trainer.grad_accum": positive(),
     "trainer.max_steps": positive(),
-    "trainer.lr": Rule(float, above=0),
+    "trainer.lr": Rule(float, at_least=0),  # 0: evaluate without training (scripts/dsa_extend.py's references)
     "trainer.min_lr_ratio": Rule(float, at_least=0, at_most=1),
     "trainer.warmup_steps": count(),
     "trainer.schedule": Rule(str, choices=("cosine", "wsd", "constant")),
