@@ -61,8 +61,6 @@ def test_linearize_both_parts(tmp_path, softmax_run, monkeypatch):
     assert float(rows[0][1]) == pytest.approx(evals[-1]["val/loss"], abs=0.05)  # 4 val blocks vs the run's 8
 
 
-@pytest.mark.xfail(strict=True, reason="training/validation.py refuses trainer.lr=0, which dsa_extend's "
-                                       "no-training reference stages use (reported to the lead)")
 def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache):
     """From the tiny softmax run: the four train.py stages at seq_len 128 (DSA's default top-k 64 is
     below it), init_from loading every matching weight (the indexer new), and the summary: the stages
