@@ -87,7 +87,13 @@ def train_step(run: Run) -> tuple[float, dict, float]:
         step_loss += out.lm_loss.detach() / tc.grad_accum
         for k, v in out.aux_metrics.items():
             aux[k] = aux.get(k, 0) + v / tc.grad_accum
-    grad_norm = a.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
+    if run.expert_mesh is None:
+        grad_norm = a.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
+    else:  # expert shards: their gradients reduced over data replicas, their norm over the expert ranks
+        from training.parallel import reduce_and_clip_gradients, step_metrics
+
+        grad_norm = reduce_and_clip_gradients(run.lm, run.expert_mesh, tc.grad_clip)
+        aux.update(step_metrics(run.lm, a.device))
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -146,7 +152,8 @@ def save(run: Run) -> None:
     state = {"step": run.step, "tokens_seen": run.step * run.tokens_per_step, "elapsed": time.time() - run.t_origin,
              "processes": run.accelerator.num_processes}
     run.last_ckpt = save_checkpoint(run.run_dir, run.lm, run.optimizers, run.scheduler, state,
-                                    run.cfg.trainer.keep_checkpoints, run.data.tokenizer, OmegaConf.to_yaml(run.cfg, resolve=True))
+                                    run.cfg.trainer.keep_checkpoints, run.data.tokenizer, OmegaConf.to_yaml(run.cfg, resolve=True),
+                                    run.expert_mesh)
 
 
 def train(cfg: DictConfig) -> float:
@@ -232,7 +239,7 @@ def finish(run: Run, last_log: dict) -> float:
 
     a, cfg, tc = run.accelerator, run.cfg, run.cfg.trainer
     final = evaluate(run) if run.step % tc.eval_every else {k: v for k, v in last_log.items() if k.startswith("val/")}
-    folder = export_final(run.lm, run.data.tokenizer, OmegaConf.to_yaml(cfg, resolve=True), run.run_dir)
+    folder = export_final(run.lm, run.data.tokenizer, OmegaConf.to_yaml(cfg, resolve=True), run.run_dir, run.expert_mesh)
     if a.is_main_process:
         plots = [p for p in [plot_loss_curves(run.run_dir), *plot_moe_load(run.run_dir)] if p]  # MoE: heatmap, imbalance
         if cfg.logger.name == "wandb":

@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1,
                    help="jobs run at once (launcher python only), each on cpu_count/jobs threads; default 1")
     p.add_argument("--dry-run", action="store_true", help="print the jobs and their parameter counts, run nothing")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)  # overrides may come after the options
     if args.launcher not in LAUNCHERS:
         sys.exit(f"error: unknown --launcher {args.launcher!r}; valid: {', '.join(LAUNCHERS)}")
     if args.match_params not in MATCH:

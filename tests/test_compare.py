@@ -300,3 +300,10 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
     assert (out / "mqar_state.png").exists()
     with pytest.raises(SystemExit, match="has no trainer.nope"):
         compare.main([str(runs), "--out", str(out), "--best-over", "trainer.nope"])
+
+
+def test_sweep_takes_overrides_after_its_options(capsys):
+    """`--launcher python --jobs 2 key=a,b`: overrides may follow the options (argparse's intermixed parse)."""
+    assert sweep.main(["mixer=gdn", "--launcher", "python", "--jobs", "2", "seed=0,1", "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "sweep of 2 job(s)" in out and "seed=1" in out

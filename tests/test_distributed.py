@@ -1,6 +1,6 @@
 """Multi-process training on CPU (gloo), each test asserting from the run's own output how many
 processes ran: 2-process DDP equals 1 process with gradient accumulation (dense AdamW, and MoE + DSA
-under Muon) in its train losses and in its val metrics (the same val tokens scored, the same loss and
+under Muon with the experts split over the processes) in its train losses and in its val metrics (the same val tokens scored, the same loss and
 aux metrics), DDP searches for unused parameters only where a block needs it, elastic resume (2 -> 1
 and 1 -> 2 processes continue the same run: its losses, val metrics and, where the LM loss cannot
 tell, the trained weights), and torch FSDP2's export and checkpoint round trip."""
@@ -69,35 +69,57 @@ def test_ddp_two_processes_equals_grad_accum_with_unused_search_off(tmp_path, da
     assert (two / "final" / "model.safetensors").exists()
 
 
-def test_ddp_moe_dsa_equals_grad_accum_and_resumes_on_one_process(tmp_path, data_cache):
+def test_ddp_moe_dsa_expert_parallel_equals_grad_accum_and_resumes_across_layouts(tmp_path, data_cache):
     """MoE with the aux-free bias (all-reduced load) + DSA's sparse stage, under Muon (the default;
-    every rank orthogonalises the same all-reduced gradient): 2 processes give the losses, val metrics
-    and final router bias of 1 process with accumulation; its step-4 checkpoint then resumes on 1
-    process and continues the same curve."""
+    every rank orthogonalises the same all-reduced gradient), its experts split over the 2 processes
+    (trainer.expert_parallel=2): the losses, val metrics and exported weights and logits of 1 process
+    with accumulation; its step-4 checkpoint resumes on 1 process (EP 2 -> 1), and the 1-process run's
+    on 2 with EP 2 (1 -> 2), each continuing the same curve."""
     from safetensors.torch import load_file
 
-    ref, two, resumed = tmp_path / "ref", tmp_path / "two", tmp_path / "resumed"
-    run_train(ref, *MOE_DSA, "trainer.grad_accum=2", cache=data_cache)
-    run_train(two, *MOE_DSA, "trainer.keep_checkpoints=5", launcher=DDP, cache=data_cache)
+    from training.checkpoint import load_lm
+
+    ref, two, resumed, split = tmp_path / "ref", tmp_path / "two", tmp_path / "resumed", tmp_path / "split"
+    run_train(ref, *MOE_DSA, "trainer.grad_accum=2", "trainer.keep_checkpoints=5", cache=data_cache)
+    run_train(two, *MOE_DSA, "trainer.expert_parallel=2", "trainer.keep_checkpoints=5", launcher=DDP, cache=data_cache)
     info = run_info(two)
-    assert info["processes"] == 2 and info["ddp_find_unused_parameters"] is True
+    assert info["processes"] == 2 and info["expert_parallel"] == 2 and info["ddp_find_unused_parameters"] is True
+    assert info["params"] == run_info(ref)["params"]  # counted before the experts were split
     assert OmegaConf.load(two / "config.yaml").optimizer.name == "muon"
     assert_same_losses(losses(ref), losses(two), list(range(1, 9)))
     assert_same_val(val_metrics(ref), val_metrics(two), [4, 8])
     assert "val/dsa/topk_attention_recall" in val_metrics(two)[8]
-    bias = [k for k in load_file(ref / "final" / "model.safetensors") if "bias" in k and "ffn" in k]
-    assert bias
+    # the exchange's telemetry: the mean rank sends as many rows as it receives, 4 bytes x d=64 each,
+    # dispatch and combine, forward and backward
+    rows = [r for r in read_metrics(two) if "ep/a2a_bytes" in r]
+    assert len(rows) == 8 and all(r["ep/rows_sent"] > 0 and r["ep/a2a_seconds"] > 0 for r in rows)
+    assert all(r["ep/a2a_bytes"] == pytest.approx(4 * 4 * 64 * r["ep/rows_sent"]) and r["ep/received_imbalance"] >= 1
+               for r in rows)
+    # the export gathers every expert: the same weights, bias included, and the same logits
     ref_w, two_w = load_file(ref / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
-    for k in bias:
-        assert ref_w[k].abs().sum() > 0 and torch.allclose(ref_w[k], two_w[k], atol=1e-6), k
+    assert ref_w.keys() == two_w.keys() and two_w["layers.0.ffn.gate_up_proj"].shape[0] == 8
+    for k in ref_w:
+        assert torch.allclose(ref_w[k], two_w[k], atol=1e-5), k
+    assert any("bias" in k and "ffn" in k and ref_w[k].abs().sum() > 0 for k in ref_w)
+    ids = torch.randint(0, 512, (2, 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = [load_lm(r).eval()(ids).logits for r in (ref, two)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-4)
 
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(two / "checkpoints" / "step_0000004", resumed / "checkpoints" / "step_0000004")
     proc = run_train(resumed, *MOE_DSA, "trainer.grad_accum=2", "resume=auto", cache=data_cache)
     assert "saved by 2 process(es), now 1" in proc.stdout
-    assert run_info(resumed)["processes"] == 1
+    assert run_info(resumed)["processes"] == 1 and run_info(resumed)["expert_parallel"] == 1
     assert_same_losses(losses(ref), losses(resumed), [5, 6, 7, 8])
     assert_same_val(val_metrics(ref), val_metrics(resumed), [8])
+
+    (split / "checkpoints").mkdir(parents=True)
+    shutil.copytree(ref / "checkpoints" / "step_0000004", split / "checkpoints" / "step_0000004")
+    proc = run_train(split, *MOE_DSA, "trainer.expert_parallel=2", "resume=auto", launcher=DDP, cache=data_cache)
+    assert "saved by 1 process(es), now 2" in proc.stdout and run_info(split)["expert_parallel"] == 2
+    assert_same_losses(losses(ref), losses(split), [5, 6, 7, 8])
+    assert_same_val(val_metrics(ref), val_metrics(split), [8])
 
 
 def test_dsa_warmup_checkpoint_of_one_process_resumes_on_two(tmp_path, data_cache):

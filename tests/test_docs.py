@@ -114,9 +114,14 @@ def check_script(module_name: str, args: list[str], monkeypatch) -> argparse.Nam
     def parse_and_stop(self, argv=None, namespace=None):
         raise Parsed(original(self, argv, namespace))
 
+    def parse_intermixed_and_stop(self, argv=None, namespace=None):
+        raise Parsed(original_intermixed(self, argv, namespace))
+
     original = argparse.ArgumentParser.parse_args
+    original_intermixed = argparse.ArgumentParser.parse_intermixed_args
     module = importlib.import_module(module_name)
     monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_and_stop)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_intermixed_args", parse_intermixed_and_stop)
     monkeypatch.setattr(sys, "argv", [module_name, *args])
     try:
         module.main()

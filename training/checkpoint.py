@@ -87,16 +87,17 @@ def write_manifest(folder: Path) -> None:
 
 
 def save_checkpoint(run_dir: Path, model, optimizers: list, scheduler, state: dict, keep: int,
-                    tokenizer=None, training_config: str = "") -> Path:
+                    tokenizer=None, training_config: str = "", expert_mesh=None) -> Path:
     """Called on every rank (each writes its DCP shard); the main process writes the small files,
-    the manifest, renames and prunes to the last `keep`."""
+    the manifest, renames and prunes to the last `keep`. With expert parallelism (expert_mesh), the
+    expert shards are saved as the DTensors they are (training/parallel.py)."""
     final = Path(run_dir) / "checkpoints" / f"step_{state['step']:07d}"
     tmp = final.with_name(f".tmp_{final.name}")  # one name for every rank: each writes its DCP shard there
     if is_main() and tmp.exists():
         shutil.rmtree(tmp)
     barrier()
     model_state, optim_state = get_state_dict(model, optimizers)
-    run_dcp(dcp.save, {"model": model_state, "optim": optim_state}, tmp / "state")
+    run_dcp(dcp.save, with_expert_shards({"model": model_state, "optim": optim_state}, model, expert_mesh), tmp / "state")
     if is_main():
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         write_model_files(tmp, model, tokenizer, training_config)
@@ -109,22 +110,40 @@ def save_checkpoint(run_dir: Path, model, optimizers: list, scheduler, state: di
     return final
 
 
-def load_checkpoint(folder: Path, model, optimizers: list, scheduler) -> dict:
-    """Load model, optimizer and scheduler state in place (resharding to this run's layout);
-    returns trainer_state.json."""
+def load_checkpoint(folder: Path, model, optimizers: list, scheduler, expert_mesh=None) -> dict:
+    """Load model, optimizer and scheduler state in place (resharding to this run's layout, expert
+    parallelism included); returns trainer_state.json."""
     model_state, optim_state = get_state_dict(model, optimizers)
-    state = {"model": model_state, "optim": optim_state}
+    state = with_expert_shards({"model": model_state, "optim": optim_state}, model, expert_mesh)
     run_dcp(dcp.load, state, folder / "state")
+    if expert_mesh is not None:
+        from training.parallel import as_local
+
+        state = as_local(state)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
     return json.loads((folder / "trainer_state.json").read_text())
 
 
-def export_final(model, tokenizer, training_config: str, run_dir: Path) -> Path:
+def with_expert_shards(state: dict, model, expert_mesh) -> dict:
+    """The state with each expert shard as a DTensor on the expert mesh (as is without one)."""
+    if expert_mesh is None:
+        return state
+    from training.parallel import as_dtensors
+
+    return as_dtensors(state, model, expert_mesh)
+
+
+def export_final(model, tokenizer, training_config: str, run_dir: Path, expert_mesh=None) -> Path:
     """<run_dir>/final: an HF model dir (safetensors + config + tokenizer + the training config).
     Every rank must call it: under FSDP the full state dict is gathered from all shards (to rank 0's
-    CPU); only the main process writes, to a temp dir that is then renamed."""
+    CPU), with expert parallelism every expert from its rank; only the main process writes, to a temp
+    dir that is then renamed."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if expert_mesh is not None:
+        from training.parallel import full_experts
+
+        full = full_experts(full, model, expert_mesh)
     final = Path(run_dir) / "final"
     if is_main():
         with written_then_renamed(final, tmp=Path(run_dir) / ".tmp_final") as tmp:

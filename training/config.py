@@ -100,8 +100,9 @@ def lm_config(cfg, vocab_size: int, eos_token_id: int | None):
 
 
 # What an override given on resume may change: nothing that changes the model, the data order or the
-# optimizer (a key, or a prefix ending in "." or "_").
-RESUMABLE = ("trainer.max_steps", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.ckpt_every",
+# optimizer (a key, or a prefix ending in "." or "_"). The process layout may change (the global batch
+# is trainer.batch_size whatever the processes, accumulation or expert parallelism).
+RESUMABLE = ("trainer.max_steps", "trainer.grad_accum", "trainer.expert_parallel", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.ckpt_every",
              "trainer.keep_checkpoints", "trainer.sample_", "trainer.compile", "logger.", "data.num_proc",
              "data.cache_dir", "data.cache_shared", "run_dir", "resume")
 

@@ -33,6 +33,7 @@ class Run:
     step: int
     t_origin: float        # time/elapsed counts from here (moved back on resume)
     last_ckpt: Path | None
+    expert_mesh: object = None  # the (dp, ep) DeviceMesh with trainer.expert_parallel > 1 (training/parallel.py)
 
     @property
     def tokens_per_step(self) -> int:
@@ -41,13 +42,14 @@ class Run:
 
 def setup(cfg: DictConfig) -> Run:
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, set_seed
     from hydra.core.hydra_config import HydraConfig
 
     from data import build_data
     from model import DecoderLM
     from training import checkpoint as ckpt
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
+    from training.parallel import apply_expert_parallel
     from training.perf import device_peak
 
     t_start = time.time()
@@ -81,6 +83,10 @@ def setup(cfg: DictConfig) -> Run:
             p.requires_grad_(any(s in name for s in tc.trainable))
         if not any(p.requires_grad for p in lm.parameters()):
             raise ValueError(f"trainer.trainable={list(tc.trainable)} matches no parameter name")
+    counts = lm.parameter_counts()  # of the whole model, before expert parallelism keeps a rank's share
+    if tc.expert_parallel > 1 and state.distributed_type == DistributedType.FSDP:
+        raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
+    expert_mesh = apply_expert_parallel(lm, tc.expert_parallel, world, "cuda" if use_cuda else "cpu")
 
     # DDP searches the graph for parameters without gradients only where some can have none.
     find_unused = lm.leaves_parameters_unused() or bool(tc.trainable)
@@ -94,17 +100,16 @@ def setup(cfg: DictConfig) -> Run:
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is not prepared: Accelerate would step it once per process.
 
-    counts = lm.parameter_counts()
     flops_per_token = 3 * lm.flops_per_token(tc.seq_len)  # training: forward + backward
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
               optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
               scheduler=scheduler, micro=micro,
               flops_per_token=flops_per_token,
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
-              step=0, t_origin=t_start, last_ckpt=None)
+              step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh)
     resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
     if resume_from is not None:
-        saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler)
+        saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler, expert_mesh)
         run.step, run.last_ckpt = saved["step"], resume_from
         run.t_origin -= saved["elapsed"]  # time/elapsed continues from where the checkpoint left off
         accelerator.print(f"resumed from {resume_from} at step {run.step}"
@@ -125,7 +130,7 @@ def setup(cfg: DictConfig) -> Run:
         (run_dir / "run_info.json").write_text(json.dumps({
             "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
             "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
-            "train_flops_per_token": flops_per_token, "processes": world,
+            "train_flops_per_token": flops_per_token, "processes": world, "expert_parallel": tc.expert_parallel,
             "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
             "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
             "data": cfg.data.name, "data_info": data.info, "group": group}, indent=1))

@@ -64,6 +64,7 @@ TRAIN_RULES = {
     "trainer.seq_len": Rule(int, at_least=2),  # position t predicts t + 1
     "trainer.batch_size": positive(),
     "trainer.grad_accum": positive(),
+    "trainer.expert_parallel": positive(),
     "trainer.max_steps": positive(),
     "trainer.lr": Rule(float, at_least=0),  # 0: evaluate without training (scripts/dsa_extend.py's references)
     "trainer.min_lr_ratio": Rule(float, at_least=0, at_most=1),

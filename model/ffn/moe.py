@@ -12,7 +12,9 @@ expert, the tokens gathered once into that order, each expert runs on its contig
 gate-weighted outputs are added back to their tokens. On CUDA, for bf16 experts with 16-byte rows
 (`grouped_mm_takes`), the slices go through torch._grouped_mm (a fused kernel on sm90+, torch's
 per-group loop otherwise); otherwise, and on CPU, through a loop over the experts that received
-tokens, one autograd node with a hand-written backward.
+tokens, one autograd node with a hand-written backward. With expert parallelism (shard_experts,
+trainer.expert_parallel), each process holds E / N of the experts and the rows go to the process of
+their expert and back by all-to-all (model/ffn/expert_parallel.py).
 
 Balancing, per level (each loss always computed for the routers with scores and logged; its coef
 weighs it into the training loss, 0 = log only). p = the router scores normalised to sum 1 per token;
@@ -141,6 +143,7 @@ class MoE(nn.Module):
         # Selection counts since the last optimizer step (aux-free balancing). A plain attribute, not
         # a buffer: DDP would overwrite it with rank 0's counts at every forward.
         self.pending_counts: torch.Tensor | None = None
+        self.expert_parallel = None  # an ExpertParallel once shard_experts() split the experts over processes
 
     def init_parameters(self) -> None:
         if hasattr(self.router, "weight"):  # the routers with weights (not hash)
@@ -173,11 +176,11 @@ class MoE(nn.Module):
         xs = x.index_select(0, token)
         # Experts run in the autocast dtype when autocast is on (as nn.Linear would), else in x's.
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        xs, w_gu, w_d = xs.to(dtype), self.gate_up_proj.to(dtype), self.down_proj.to(dtype)
-        if x.is_cuda and grouped_mm_takes(dtype, self.hidden_size, self.expert_size):
-            ys = experts_grouped_mm(xs, w_gu, w_d, counts)
-        else:
-            ys = ExpertsLoop.apply(xs, w_gu, w_d, counts.tolist())
+        xs = xs.to(dtype)
+        if self.expert_parallel is None:
+            ys = self.local_experts(xs, counts)
+        else:  # the rows go to the ranks that hold their experts and come back
+            ys = self.expert_parallel.run(xs, counts, self.local_experts)
         ys = ys * routing.gate[order].unsqueeze(-1).to(ys.dtype)
         y = ys.new_zeros(x.shape).index_add(0, token, ys)
         if self.shared is not None:
@@ -190,6 +193,22 @@ class MoE(nn.Module):
             rows = shape[0] if len(shape) == 3 else 1  # the sequences of the sequence-wise loss
             self.report(aux, routing, routed, token, N, rows)
         return y.view(shape)
+
+    def local_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """This process's experts (all of them without expert parallelism) on xs [S, d], whose rows are
+        grouped by expert, counts [E_local] rows each."""
+        w_gu, w_d = self.gate_up_proj.to(xs.dtype), self.down_proj.to(xs.dtype)
+        if xs.is_cuda and grouped_mm_takes(xs.dtype, self.hidden_size, self.expert_size):
+            return experts_grouped_mm(xs, w_gu, w_d, counts)
+        return ExpertsLoop.apply(xs, w_gu, w_d, counts.tolist())
+
+    def shard_experts(self, expert_parallel) -> None:
+        """Keep only this rank's experts (expert_parallel.experts of the E), as parameters of the same
+        names, and exchange rows with the other ranks from now on (model/ffn/expert_parallel.py)."""
+        keep = expert_parallel.experts
+        self.gate_up_proj = nn.Parameter(self.gate_up_proj.detach()[keep].clone())
+        self.down_proj = nn.Parameter(self.down_proj.detach()[keep].clone())
+        self.expert_parallel = expert_parallel
 
     def report(self, aux, routing: Routing, routed: torch.Tensor, kept_tokens: torch.Tensor, num_tokens: int,
                rows: int) -> None:
