@@ -1,16 +1,14 @@
 """training/checkpoint.py in-process: init_from's load_matching_weights (its report, and the values it
 copies), resume from an explicit checkpoint path, a run dir or `auto`, the manifest catching a corrupt
-file of the right size and a missing manifest, keep_checkpoints pruning; and train.py resuming from an
-explicit checkpoint path that is not the latest."""
+file of the right size and a missing manifest, keep_checkpoints pruning (train.py resuming from an explicit
+checkpoint path that is not the latest: tests/test_train.py)."""
 import pytest
 import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
-from conftest import run_train
 from model import DecoderLM, LMConfig
 from training.checkpoint import (checkpoint_problem, checkpoints, load_checkpoint, load_matching_weights,
                                  resolve_resume, save_checkpoint)
-from training.metrics import read_metrics
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -127,20 +125,3 @@ def test_keep_checkpoints_prunes_to_the_latest(tmp_path):
     assert sorted(p.name for p in (tmp_path / "two" / "checkpoints").iterdir()) == ["step_0000004", "step_0000005"]
     make_run(tmp_path / "all", [1, 2, 3], keep=0)  # 0: keep every checkpoint
     assert [p.name for p in checkpoints(tmp_path / "all")] == ["step_0000001", "step_0000002", "step_0000003"]
-
-
-@pytest.mark.slow
-def test_train_resumes_from_an_explicit_checkpoint_that_is_not_the_latest(tmp_path, data_cache):
-    """resume=<run>/checkpoints/step_4 in a new run_dir while step 6 is the run's latest: steps 5..8
-    repeat the uninterrupted run's losses."""
-    full, again = tmp_path / "full", tmp_path / "again"
-    run_train(full, "trainer.ckpt_every=2", "trainer.keep_checkpoints=5", "optimizer=adamw", cache=data_cache)
-    step4 = full / "checkpoints" / "step_0000004"
-    assert (full / "checkpoints" / "step_0000006").exists()
-    proc = run_train(again, f"resume={step4}", "trainer.ckpt_every=2", "optimizer=adamw", cache=data_cache)
-    assert f"resumed from {step4} at step 4" in proc.stdout
-    losses = {r["step"]: r["train/loss"] for r in read_metrics(full) if "train/loss" in r}
-    resumed = {r["step"]: r["train/loss"] for r in read_metrics(again) if "train/loss" in r}
-    assert sorted(resumed) == [5, 6, 7, 8]
-    for step, loss in resumed.items():
-        assert loss == pytest.approx(losses[step], abs=1e-6), (step, losses, resumed)

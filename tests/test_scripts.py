@@ -130,11 +130,11 @@ def test_bench_suite_runs(suite, tmp_path, monkeypatch, data_cache):
     for name, fn in ONCE.items():
         if hasattr(module, name):
             monkeypatch.setattr(module, name, fn)
-    if suite == "data":  # 3 MB corpora (~145 files: the peer cuts 64 shards, val holds out every 100th) for 50 and 5 MB
+    if suite == "data":  # 2.2 MB corpora (>100 files: the peer cuts 64 shards, val holds out every 100th) for 50 and 5 MB
         small_stdlib(monkeypatch)
         make_corpus = module.make_corpus
         monkeypatch.setattr(module, "WORK", tmp_path)
-        monkeypatch.setattr(module, "make_corpus", lambda folder, size: make_corpus(folder, min(size, 3_000_000)))
+        monkeypatch.setattr(module, "make_corpus", lambda folder, size: make_corpus(folder, min(size, 2_200_000)))
     if suite == "recipe":  # the tiny model, 4 steps, on 40 files (ours, the peer in its process, the val split)
         small_stdlib(monkeypatch)
         monkeypatch.setattr(module, "WORK", tmp_path)

@@ -61,14 +61,16 @@ def test_train_eval_export_and_evaluate(tmp_path, data_cache):
 
 
 @pytest.mark.slow
-def test_resume_equals_uninterrupted(tmp_path, data_cache):
-    full, resumed = tmp_path / "full", tmp_path / "resumed"
-    run_train(full, "trainer.keep_checkpoints=5", "optimizer=adamw", cache=data_cache)
-    (resumed / "checkpoints").mkdir(parents=True)
-    shutil.copytree(full / "checkpoints" / "step_0000004", resumed / "checkpoints" / "step_0000004")
-    proc = run_train(resumed, "resume=auto", "optimizer=adamw", cache=data_cache)
-    assert "resumed from" in proc.stdout
-    a, b = losses(full), losses(resumed)
+def test_resume_from_an_explicit_checkpoint_equals_uninterrupted(tmp_path, data_cache):
+    """resume=<run>/checkpoints/step_4 in a new run_dir while step 6 is the run's latest: its saved
+    config is read, and steps 5..8 repeat the uninterrupted run's losses."""
+    full, again = tmp_path / "full", tmp_path / "again"
+    run_train(full, "trainer.ckpt_every=2", "trainer.keep_checkpoints=5", "optimizer=adamw", cache=data_cache)
+    step4 = full / "checkpoints" / "step_0000004"
+    assert (full / "checkpoints" / "step_0000006").exists()
+    proc = run_train(again, f"resume={step4}", "trainer.ckpt_every=2", "optimizer=adamw", cache=data_cache)
+    assert f"resumed from {step4} at step 4" in proc.stdout
+    a, b = losses(full), losses(again)
     assert a[8] < a[1], a  # it learns
     assert sorted(b) == [5, 6, 7, 8]
     for step in b:
@@ -111,20 +113,6 @@ def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache)
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 1 and proc.stderr.strip().startswith(
         f"error: resume: mixer.name was 'gdn' in {run / 'config.yaml'}, the command gives 'softmax'"), proc.stderr
-
-
-@pytest.mark.slow
-def test_resumed_run_continues_its_wandb_run(tmp_path, data_cache):
-    """Offline W&B: the run id is kept in the run dir and the resumed process logs to the same run
-    (read back from the offline run folders wandb wrote)."""
-    run = tmp_path / "run"
-    env = {"WANDB_MODE": "offline"}
-    run_train(run, "logger=wandb", "trainer.max_steps=4", "trainer.ckpt_every=2", cache=data_cache, env=env)
-    run_train(run, "logger=wandb", "trainer.max_steps=6", "trainer.ckpt_every=2", "resume=auto", cache=data_cache, env=env)
-    run_id = (run / "wandb_run_id").read_text().strip()
-    folders = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(folders) == 2 and all(f.name.endswith(f"-{run_id}") for f in folders), folders
-    assert all((f / f"run-{run_id}.wandb").exists() for f in folders)
 
 
 @pytest.mark.slow
@@ -191,7 +179,8 @@ def test_train_py_prints_an_unknown_choice_as_one_line():
 def test_sigterm_saves_a_checkpoint_and_the_printed_command_resumes_it(tmp_path, data_cache):
     """SIGTERM mid-run saves a checkpoint; the command the message prints, followed as printed (plus a
     step budget), continues with the restored weights and optimizer: its steps equal an uninterrupted
-    run's (a constant lr, so the step budget does not change the schedule)."""
+    run's (a constant lr, so the step budget does not change the schedule); and it logs to the same
+    (offline) W&B run, whose id the run dir keeps."""
     import os
     import re
     import shlex
@@ -202,9 +191,9 @@ def test_sigterm_saves_a_checkpoint_and_the_printed_command_resumes_it(tmp_path,
     from conftest import TINY
 
     run = tmp_path / "sig"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWAPLM_CACHE": str(data_cache)}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWAPLM_CACHE": str(data_cache), "WANDB_MODE": "offline"}
     constant = ["trainer.schedule=constant", "trainer.warmup_steps=0"]
-    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, *constant, f"run_dir={run}", "trainer.max_steps=100000",
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "logger=wandb", *constant, f"run_dir={run}", "trainer.max_steps=100000",
            "trainer.ckpt_every=100000", "trainer.eval_every=100000"]
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.time() + 300
@@ -228,3 +217,6 @@ def test_sigterm_saves_a_checkpoint_and_the_printed_command_resumes_it(tmp_path,
     a, b = losses(reference), losses(run)
     for s in (step + 1, step + 2):
         assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a, b)
+    run_id = (run / "wandb_run_id").read_text().strip()
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all((f / f"run-{run_id}.wandb").exists() for f in folders), folders

@@ -94,7 +94,7 @@ def test_sweep_is_one_group_and_eval_lands_in_the_run(tmp_path, data_cache):
     env = {**os.environ, "SWAPLM_CACHE": str(data_cache), "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, "-m", "scripts.sweep", "ffn=moe", "model.mixer=[gdn,softmax],[gdn,gdn]",
                            "trainer.lr=1e-3,3e-3", *tiny, "trainer.max_steps=2", "trainer.eval_every=2",
-                           "trainer.sample_tokens=0", "logger=wandb", "--launcher", "python", "--out", str(out)],
+                           "trainer.sample_tokens=0", "logger=wandb", "--launcher", "python", "--jobs", "2", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     group = re.search(r"W&B group \(with logger=wandb\): (\S+)", proc.stdout).group(1)
