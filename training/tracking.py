@@ -82,7 +82,7 @@ def wandb_group(cfg) -> str:
     from hydra.types import RunMode
 
     if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
-        sweep_dir = Path(HydraConfig.get().sweep.dir)
+        sweep_dir = Path(HydraConfig.get().runtime.output_dir).parent  # this job's folder is in the sweep's
         return f"{label}-{sweep_dir.parent.name}_{sweep_dir.name}"
     return label
 
