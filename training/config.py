@@ -148,8 +148,8 @@ def config_for_resume(cfg, saved, overrides: list[str], saved_path: Path):
         if not resumable(key):
             shown = lambda v: "(absent)" if v is missing else repr(v)  # noqa: E731
             raise ValueError(f"resume: {key} was {shown(before)} in {saved_path}, the command gives {shown(after)}; on "
-                             f"resume only trainer.max_steps, the log/eval/checkpoint cadences, sampling, trainer.compile, "
-                             f"logger.* and data caching may change (start a new run_dir to change the rest)")
+                             f"resume only trainer.max_steps, the log/eval/checkpoint cadences, sampling, trainer.compile, the "
+                             f"process layout, logger.* and data caching may change (start a new run_dir to change the rest)")
         if after is missing:  # e.g. logger=none drops logger.project
             parent, _, leaf = key.rpartition(".")
             OmegaConf.select(merged, parent).pop(leaf, None)
