@@ -52,6 +52,14 @@ def run_train(run_dir: Path, *overrides: str, launcher: list[str] | None = None,
     return proc
 
 
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory, data_cache) -> tuple[Path, str]:
+    """One default train.py run of TINY (softmax + dense, 8 steps, checkpoint at 4, final/ export) and its
+    stdout, shared by the tests that check it and those that start from it."""
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    return run, run_train(run, cache=data_cache).stdout
+
+
 ALTERNATION_ALPHABET = 16
 
 

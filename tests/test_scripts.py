@@ -15,19 +15,17 @@ import time
 import pytest
 import torch
 
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
 TINY_MODEL = [o for o in TINY if o.startswith(("logger", "model.", "data."))]
 
 
-@pytest.fixture(scope="module")
-def softmax_run(tmp_path_factory, data_cache):
-    """A 4-step softmax run of conftest.TINY (its final/ export and its data config)."""
-    run = tmp_path_factory.mktemp("softmax") / "run"
-    run_train(run, "trainer.max_steps=4", "trainer.sample_tokens=0", cache=data_cache)
-    return run
+@pytest.fixture
+def softmax_run(tiny_run):
+    """conftest.TINY's softmax run (its final/ export and its data config)."""
+    return tiny_run[0]
 
 
 def table_rows(markdown: str) -> list[list[str]]:

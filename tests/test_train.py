@@ -1,7 +1,9 @@
 """End-to-end training runs (subprocesses, tiny sizes): train + eval + export, resume equals the
 uninterrupted run, clean failures. Multi-process runs are in test_distributed.py."""
 import json
+import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -20,9 +22,8 @@ def losses(run_dir):
 
 
 @pytest.mark.slow
-def test_train_eval_export_and_evaluate(tmp_path, data_cache):
-    run = tmp_path / "run"
-    proc = run_train(run, cache=data_cache)
+def test_train_eval_export_and_evaluate(tmp_path, tiny_run):
+    run, stdout = tiny_run
     rows = read_metrics(run)
     assert all(k in rows[0] for k in KEYS), rows[0]
     evals = [r for r in rows if "val/loss" in r]
@@ -30,13 +31,12 @@ def test_train_eval_export_and_evaluate(tmp_path, data_cache):
     assert evals[-1]["val/bpb"] > 0 and abs(evals[-1]["val/ppl"] - torch.tensor(evals[-1]["val/loss"]).exp().item()) < 1e-3
     l = losses(run)
     assert l[8] < l[1], l  # it learns
-    assert "val loss" in proc.stdout and "bpb" in proc.stdout and "sample" in proc.stdout
+    assert "val loss" in stdout and "bpb" in stdout and "sample" in stdout
     final = run / "final"
     assert {"config.json", "model.safetensors", "tokenizer.json", "training_config.yaml"} <= {p.name for p in final.iterdir()}
     assert len(list((run / "checkpoints").glob("step_*"))) == 1  # step 4 (the last step exports instead)
     assert not list(run.glob(".tmp*")) and not list((run / "checkpoints").glob(".tmp*"))
 
-    import subprocess
     out = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "eval.py", f"checkpoint={run}", f"out_dir={out}", "batches=2",
                            "batch_size=4", "sample_tokens=8", "num_samples=1"],
@@ -61,29 +61,12 @@ def test_train_eval_export_and_evaluate(tmp_path, data_cache):
 
 
 @pytest.mark.slow
-def test_resume_from_an_explicit_checkpoint_equals_uninterrupted(tmp_path, data_cache):
-    """resume=<run>/checkpoints/step_4 in a new run_dir while step 6 is the run's latest: its saved
-    config is read, and steps 5..8 repeat the uninterrupted run's losses."""
-    full, again = tmp_path / "full", tmp_path / "again"
-    run_train(full, "trainer.ckpt_every=2", "trainer.keep_checkpoints=5", "optimizer=adamw", cache=data_cache)
-    step4 = full / "checkpoints" / "step_0000004"
-    assert (full / "checkpoints" / "step_0000006").exists()
-    proc = run_train(again, f"resume={step4}", "trainer.ckpt_every=2", "optimizer=adamw", cache=data_cache)
-    assert f"resumed from {step4} at step 4" in proc.stdout
-    a, b = losses(full), losses(again)
-    assert a[8] < a[1], a  # it learns
-    assert sorted(b) == [5, 6, 7, 8]
-    for step in b:
-        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
-
-
-@pytest.mark.slow
 def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache):
     """A gdn + MoE run under Muon, resumed with nothing but `run_dir=R resume=auto` (as the stop message
     says): the saved config.yaml builds the same model, optimizer and data, the truncated last checkpoint
-    is reported and skipped, and the losses continue exactly as the uninterrupted run's."""
-    import subprocess
-
+    is reported and skipped, and the losses continue exactly as the uninterrupted run's. Then
+    resume=<run>/checkpoints/step_4 in a new run_dir while step 6 is the run's latest: that run's
+    config is read, and steps 5..8 repeat the uninterrupted run's losses again."""
     run_args = ("mixer=gdn", "ffn=moe", "optimizer=muon", "trainer.ckpt_every=2", "trainer.keep_checkpoints=5")
     full, run = tmp_path / "full", tmp_path / "run"
     run_train(full, *run_args, cache=data_cache)
@@ -96,7 +79,7 @@ def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache)
     assert {len(m.size) for k, m in saved.items() if k.endswith("momentum_buffer")} == {2, 3}  # Muon's, per expert too
     bad = next((run / "checkpoints" / "step_0000006" / "state").glob("*.distcp"))
     bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # a write cut short
-    env = {**__import__("os").environ, "SWAPLM_CACHE": str(data_cache)}
+    env = {**os.environ, "SWAPLM_CACHE": str(data_cache)}
     proc = subprocess.run([sys.executable, "train.py", f"run_dir={run}", "resume=auto"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -104,10 +87,15 @@ def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache)
     assert warning and str(bad) in warning[0] and "truncated" in warning[0], proc.stdout[-2000:]
     assert "resumed from" in proc.stdout and "step_0000004 at step 4" in proc.stdout
     assert "layers ['gdn', 'gdn'] x ['moe', 'moe']" in proc.stdout
-    a, b = losses(full), losses(run)
-    assert sorted(b) == [5, 6, 7, 8]
-    for step in b:
-        assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
+    a = losses(full)
+    assert a[8] < a[1], a  # it learns
+    step4 = full / "checkpoints" / "step_0000004"
+    proc_explicit = run_train(tmp_path / "again", f"resume={step4}", cache=data_cache)
+    assert f"resumed from {step4} at step 4" in proc_explicit.stdout
+    for b in (losses(run), losses(tmp_path / "again")):
+        assert sorted(b) == [5, 6, 7, 8]
+        for step in b:
+            assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
     # the command may not change the model: one line naming the key and both values
     proc = subprocess.run([sys.executable, "train.py", f"run_dir={run}", "resume=auto", "mixer=softmax"], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
@@ -168,7 +156,6 @@ def test_unknown_group_choice_is_one_line(arg, needle, valid):
 
 @pytest.mark.slow
 def test_train_py_prints_an_unknown_choice_as_one_line():
-    import subprocess
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "mixer=nope"], cwd=ROOT, capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode != 0
@@ -181,11 +168,9 @@ def test_sigterm_saves_a_checkpoint_and_the_printed_command_resumes_it(tmp_path,
     step budget), continues with the restored weights and optimizer: its steps equal an uninterrupted
     run's (a constant lr, so the step budget does not change the schedule); and it logs to the same
     (offline) W&B run, whose id the run dir keeps."""
-    import os
     import re
     import shlex
     import signal
-    import subprocess
     import time
 
     from conftest import TINY

@@ -134,9 +134,9 @@ def train_rss_mb(corpus: Path, tok_dir: Path, cache: Path, run_dir: Path, hf_cac
     return first["perf/peak_mem_gb"] * 1e3
 
 
-def loader_throughput(corpus: Path, tok_dir: Path, cache: Path) -> dict:
-    """Batches of 8 x 256 assembled per second (global_batch + TokenWindows.batch), with and without
-    document positions."""
+def loader_throughput(corpus: Path, tok_dir: Path, cache: Path, seconds: float) -> dict:
+    """Batches of 8 x 256 assembled per second (global_batch + TokenWindows.batch) over `seconds`, with
+    and without document positions."""
     from omegaconf import OmegaConf
 
     from data import build_data
@@ -149,15 +149,16 @@ def loader_throughput(corpus: Path, tok_dir: Path, cache: Path) -> dict:
                                 "cache_dir": str(cache), "document_mask": mask, "num_proc": 2})
         train = build_data(cfg, 256, 0).train
         steps, t0 = 0, time.perf_counter()
-        while time.perf_counter() - t0 < 2.0:
+        while time.perf_counter() - t0 < seconds:
             train.batch(global_batch(steps, len(train), 8, 0))
             steps += 1
         out[mask] = steps / (time.perf_counter() - t0)
     return out
 
 
-def default_model_tokens_per_sec() -> float:
-    """fwd + bwd + AdamW tokens/s of the default model (configs/model/tiny.yaml shape, batch 8 x 256)."""
+def default_model_tokens_per_sec(steps: int) -> float:
+    """fwd + bwd + AdamW tokens/s of the default model (configs/model/tiny.yaml shape, batch 8 x 256):
+    the median of `steps` steps after the first."""
     import torch
     from omegaconf import OmegaConf
 
@@ -170,7 +171,7 @@ def default_model_tokens_per_sec() -> float:
     opt = torch.optim.AdamW(lm.parameters(), lr=1e-3)
     ids = torch.randint(0, 8192, (8, 256))
     times = []
-    for _ in range(6):
+    for _ in range(steps + 1):
         t0 = time.perf_counter()
         lm(ids, labels=ids).loss.backward()
         opt.step()
@@ -208,8 +209,8 @@ def run(quick: bool) -> str:
         ours_small = run_script(OURS, str(small), str(tok_dir), str(tmp / "ours_small"), hf_cache=tmp / "hf_small")
         rss_big = train_rss_mb(big, tok_dir, tmp / "ours", tmp / "run_big", tmp / "hf_ours")
         rss_small = train_rss_mb(small, tok_dir, tmp / "ours_small", tmp / "run_small", tmp / "hf_small")
-        loader = loader_throughput(big, tok_dir, tmp / "ours")
-    model_tok_s = default_model_tokens_per_sec()
+        loader = loader_throughput(big, tok_dir, tmp / "ours", 0.5 if quick else 2.0)
+    model_tok_s = default_model_tokens_per_sec(2 if quick else 5)
 
     gb = big_bytes / 1e9
     rows = [preparation_row("peer (nanoGPT prepare: map num_proc=2 + uint16 memmap)", peer),

@@ -9,6 +9,7 @@ cluster (parameter and optimizer memory per device: docs/distributed.md works ou
 volume per token for larger configs).
 """
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -24,8 +25,7 @@ def train(run_dir: Path, steps: int, *overrides: str) -> list[dict]:
     cmd = [*LAUNCH, str(ROOT / "train.py"), "ffn=moe", "logger=none", f"trainer.max_steps={steps}", "trainer.warmup_steps=0",
            "trainer.log_every=2", f"trainer.eval_every={steps}", "trainer.eval_batches=1", "trainer.sample_tokens=0",
            f"trainer.ckpt_every={10 * steps}", f"run_dir={run_dir}", *overrides]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**__import__("os").environ,
-                                                                          "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

@@ -63,7 +63,7 @@ def plot(results: dict, lengths: list[int], path: Path) -> None:
 
 
 def run(quick: bool) -> str:
-    lengths = [256, 512, 1024] if quick else [256, 512, 1024, 2048, 4096]
+    lengths = [256, 512] if quick else [256, 512, 1024, 2048, 4096]
     tokens, iters = (2048, 1) if quick else (8192, 2)
     results, cpu_ratio, failures = {}, {}, []
     for name in MIXERS.names():
