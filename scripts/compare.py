@@ -31,8 +31,10 @@ config (on the meta device) and counted.
 are one architecture. Per architecture and KEY value the score (MQAR accuracy if every run of the
 architecture has one, else val loss) is averaged over seeds; the table "best KEY per architecture"
 gives the best value's mean, min-max over seeds and every value's mean, and best_<KEY>/<arch>.png
-plots the score against KEY (every seed a dot, the mean a line; log x), as muP / zoology do. The
-MQAR plots then show each architecture at its best KEY.
+plots the score against KEY (every seed a dot, the mean a line; log x), as muP / zoology do. A second
+table gives, at each architecture's best KEY, the mean over seeds of val_bpb, tokens/s and the MoE
+routing columns. Architectures with the same blocks and width are named by the options that differ.
+The MQAR plots then show each architecture at its best KEY.
 """
 import argparse
 import csv
@@ -231,6 +233,14 @@ def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
 
 
 # ---- per-run numbers -------------------------------------------------------------------------------
+def flat(config: dict, prefix: str = "") -> dict:
+    """{dotted key: leaf value} of a nested config."""
+    out = {}
+    for k, v in config.items():
+        out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v})
+    return out
+
+
 def cfg_get(config: dict, dotted: str, default=None):
     d = config
     for k in dotted.split("."):
@@ -436,6 +446,7 @@ class Architecture:
     label: str
     score: str  # "mqar_acc" (higher is better) or "val_loss" (lower is better)
     points: dict = field(default_factory=dict)  # KEY value -> [score of each seed]
+    runs: dict = field(default_factory=dict)  # KEY value -> [summary of each seed's run]
     summary: dict = field(default_factory=dict)  # the first run's summary (mixer, d_model, state_size, ...)
 
     def means(self) -> dict:
@@ -457,17 +468,21 @@ def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> lis
         for k in RUN_KEYS:
             config.pop(k, None)
         groups.setdefault(json.dumps(config, sort_keys=True), []).append((run, s))
-    archs, labels = [], set()
-    for members in groups.values():
+    archs, seen = [], {}  # label -> the flat config of the first architecture with it
+    for config_json, members in groups.items():
         first = members[0][1]
         label = "-".join(str(first[c]) for c in ("mixer", "ffn") if first[c]) + f"-d{first['d_model']}"
-        if label in labels:
-            label += f"-{len(labels)}"
-        labels.add(label)
+        config = flat(json.loads(config_json))
+        if label in seen:  # the same blocks with other options: name the options that differ
+            base = seen[label]
+            label += " " + ",".join(f"{k.rpartition('.')[2]}={config.get(k)}"
+                                    for k in sorted(base.keys() | config.keys()) if base.get(k) != config.get(k))
+        seen.setdefault(label, config)
         score = "mqar_acc" if all(s["mqar_acc"] is not None for _, s in members) else "val_loss"
         arch = Architecture(label, score, summary=first)
         for run, s in members:
             arch.points.setdefault(cfg_get(run.config, key), []).append(s[score])
+            arch.runs.setdefault(cfg_get(run.config, key), []).append(s)
         archs.append(arch)
     return archs
 
@@ -481,6 +496,23 @@ def best_over_table(archs: list[Architecture], key: str) -> str:
         every = ", ".join(f"{v:g}: {m:.4g}" for v, m in a.means().items())
         lines.append(f"| {a.label} | {a.score} | {best:g} | {statistics.mean(scores):.4g} | "
                      f"{min(scores):.4g}-{max(scores):.4g} | {len(scores)} | {every} |")
+    return "\n".join(lines)
+
+
+AT_BEST = ("val_bpb", "val_bpb_batch_routing", "moe_imbalance", "moe_dead_experts", "moe_unrouted_frac",
+           "moe_token_choice_overlap", "tokens_per_sec")
+
+
+def at_best_table(archs: list[Architecture], key: str) -> str:
+    """Each architecture's runs at its best value: the mean over seeds of the columns any of them has."""
+    columns = [c for c in AT_BEST if any(s.get(c) is not None for a in archs for s in a.runs[a.best()])]
+    lines = [f"| architecture | best {key} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
+    for a in archs:
+        cells = []
+        for c in columns:
+            values = [s[c] for s in a.runs[a.best()] if s.get(c) is not None]
+            cells.append(fmt(float(statistics.mean(values)) if values else None, c))
+        lines.append(f"| {a.label} | {a.best():g} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -550,7 +582,8 @@ def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_ov
         md += [f"## Best {best_over} per architecture", "", best_over_table(archs, best_over), "",
                f"score: MQAR accuracy (higher is better) or val loss (lower is better) at the last evaluation, "
                f"mean and min-max over seeds at the best {best_over}; every point is in best_{best_over.replace('.', '_')}/"
-               f"<architecture>.png and in the table below.", "", "## Every run", ""]
+               f"<architecture>.png and in the table below.", "", f"At the best {best_over}, means over seeds:", "",
+               at_best_table(archs, best_over), "", "## Every run", ""]
         plots += plot_best_over(archs, best_over, out)
     md += [markdown_table(summaries, shown) if runs else "(no complete runs)", "",
            "params: total (active per token); tokens/s and MFU: median over training logs after the first; "

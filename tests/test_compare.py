@@ -289,10 +289,18 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
             write_run(runs / f"gdn_{lr}_{seed}", at(gdn, lr, seed), mqar, params={"total": 1, "active": 1})
             write_run(runs / f"softmax_{lr}_{seed}", at(softmax, lr, seed), train_rows([10, 10], [3.0, loss[lr][seed]]),
                       params={"total": 1, "active": 1})
+    # the same blocks with another option are another architecture, named by the option that differs
+    other = {**softmax, "trainer": {**softmax["trainer"], "warmup_steps": 7}}
+    for seed in (0, 1):
+        write_run(runs / f"variant_{seed}", at(other, 1e-3, seed), train_rows([10, 20 + 20 * seed], [3.0, 2.4]),
+                  params={"total": 1, "active": 1})
     out = tmp_path / "report"
     assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
     md = (out / "compare.md").read_text()
     assert "| gdn-dense-d32 | mqar_acc | 0.003 | 0.8 | 0.7-0.9 | 2 | 0.001: 0.3, 0.003: 0.8, 0.01: 0.1 |" in md
+    assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.001 | 2.4 | 2.4-2.4 | 2 | 0.001: 2.4 |" in md
+    # and the other columns at the best lr, means over the seeds (tokens/s: 20 and 40 after the first log)
+    assert "| softmax-dense-d32 warmup_steps=7 | 0.001 | 30 |" in md
     assert "| softmax-dense-d32 | val_loss | 0.001 | 2.1 | 2-2.2 | 2 | 0.001: 2.1, 0.003: 2.5, 0.01: 3.1 |" in md
     assert md.count("| gdn_") + md.count("| softmax_") == 12  # every run stays in the full table
     for arch in ("gdn-dense-d32", "softmax-dense-d32"):
