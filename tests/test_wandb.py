@@ -84,7 +84,7 @@ def test_hybrid_moe_run_carries_group_tags_metrics_summary_and_media(tmp_path, d
 
 @pytest.mark.slow
 def test_sweep_is_one_group_and_eval_lands_in_the_run(tmp_path, data_cache):
-    """scripts/sweep.py, two architectures, W&B offline: one group shared by both runs
+    """scripts/sweep.py, two architectures x two lrs, W&B offline: one group shared by the four runs
     (the one the sweep printed), job_type per architecture, lr in the tags; eval.py logs into one
     run under eval/; compare.py reads the group and the eval column from the offline folders alone."""
     import os
@@ -93,17 +93,17 @@ def test_sweep_is_one_group_and_eval_lands_in_the_run(tmp_path, data_cache):
     tiny = [o for o in TINY if not o.startswith(("logger=", "trainer.max_steps", "trainer.sample_tokens", "trainer.eval_every"))]
     env = {**os.environ, "SWAPLM_CACHE": str(data_cache), "WANDB_MODE": "offline"}
     proc = subprocess.run([sys.executable, "-m", "scripts.sweep", "ffn=moe", "model.mixer=[gdn,softmax],[gdn,gdn]",
-                           "trainer.lr=3e-3", *tiny, "trainer.max_steps=2", "trainer.eval_every=2",
+                           "trainer.lr=1e-3,3e-3", *tiny, "trainer.max_steps=2", "trainer.eval_every=2",
                            "trainer.sample_tokens=0", "logger=wandb", "--launcher", "python", "--jobs", "2", "--out", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     group = re.search(r"W&B group \(with logger=wandb\): (\S+)", proc.stdout).group(1)
     runs = sorted(p for p in out.iterdir() if p.is_dir())
-    assert len(runs) == 2
+    assert len(runs) == 4
     seen = [offline_run(next((r / "wandb").glob("offline-run-*"))) for r in runs]
     assert {w["run"].run_group for w in seen} == {group} and group.startswith("sweep-")
-    assert [w["run"].job_type for w in seen] == ["gdn:softmax 1:1-moe-tiny", "gdn-moe-tiny"]
-    assert [t for w in seen for t in w["run"].tags if t.startswith("lr=")] == ["lr=0.003"] * 2
+    assert [w["run"].job_type for w in seen] == ["gdn:softmax 1:1-moe-tiny"] * 2 + ["gdn-moe-tiny"] * 2
+    assert [t for w in seen for t in w["run"].tags if t.startswith("lr=")] == ["lr=0.001", "lr=0.003"] * 2
     for w in seen:
         assert w["metrics"]["val/loss"].summary.min and "best/val_loss" in w["summary"]
         assert any(f.endswith(".table.json") for f in w["files"]) and any("moe_load_heatmap" in f for f in w["files"])
@@ -128,7 +128,7 @@ def test_sweep_is_one_group_and_eval_lands_in_the_run(tmp_path, data_cache):
             os.symlink(f, offline_only / r.name / f.name)
     result = compare.compare([offline_only], tmp_path / "report")
     summaries = result["summaries"]
-    assert len(summaries) == 2 and {s["group"] for s in summaries} == {group}
+    assert len(summaries) == 4 and {s["group"] for s in summaries} == {group}
     assert summaries[0]["eval/val/loss"] == pytest.approx(scores["val/loss"])
     assert all(s.get("eval/val/loss") is None for s in summaries[1:])
     assert "eval/val/loss" in (tmp_path / "report" / "compare.csv").read_text().splitlines()[0]
