@@ -87,6 +87,7 @@ def test_resume_from_an_explicit_checkpoint_a_run_dir_or_auto(tmp_path):
     state = load_checkpoint(resolve_resume(str(step4), run), model, [opt], sched)
     weights, exp_avg, lr = saved[4]
     assert state["step"] == 4 and sched.get_last_lr()[0] == lr != saved[6][2]
+    assert opt.param_groups[0]["lr"] == lr  # the lr the next step uses: the optimizer's own state, not just the scheduler's
     for k, v in model.state_dict().items():
         assert torch.equal(v, weights[k]), k
     assert torch.equal(opt.state[model.embed_tokens.weight]["exp_avg"], exp_avg)

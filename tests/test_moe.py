@@ -246,14 +246,18 @@ def tiny_lm(ffn, **options) -> DecoderLM:
     return DecoderLM(config)
 
 
-def moe_output_cost(model: DecoderLM, data: torch.Tensor) -> float:
-    """How much the LM loss (eval mode) rises when every MoE layer's output is replaced by zeros."""
+def routed_output_cost(model: DecoderLM, data: torch.Tensor) -> float:
+    """How much the LM loss (eval mode) rises when every MoE layer's routed experts are cut out (the
+    layer's output replaced by its shared experts' alone, or zeros without them)."""
+
+    def shared_only(module, args, out):
+        return module.shared(args[0]) if module.shared is not None else torch.zeros_like(out)
+
     was_training = model.training
     model.eval()
     with torch.no_grad():
         full = model(data, labels=data).lm_loss.item()
-        hooks = [m.register_forward_hook(lambda module, args, out: torch.zeros_like(out))
-                 for m in model.modules() if isinstance(m, MoE)]
+        hooks = [m.register_forward_hook(shared_only) for m in model.modules() if isinstance(m, MoE)]
         assert hooks
         ablated = model(data, labels=data).lm_loss.item()
     for h in hooks:
@@ -267,13 +271,13 @@ def moe_output_cost(model: DecoderLM, data: torch.Tensor) -> float:
     (["dense", "moe"], dict(capacity_factor=1.25, score_func="sigmoid")),
 ])
 def test_tiny_lm_trains(ffn, options):
-    """The loss falls, and what was learnt runs through the MoE layers: zeroing their output costs the
-    trained model far more loss than it cost the model at init (it would cost nothing if the MoE's
-    output never reached the model)."""
+    """The loss falls, and what was learnt runs through the routed experts: cutting them out (shared
+    experts kept) costs the trained model far more loss than it cost the model at init (it would cost
+    nothing if their output never reached the model)."""
     model = tiny_lm(ffn, **options)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     data = torch.randint(0, 64, (4, 24), generator=torch.Generator().manual_seed(0))
-    at_init = moe_output_cost(model, data)
+    at_init = routed_output_cost(model, data)
     losses = []
     for _ in range(8):
         out = model(data, labels=data)
@@ -285,7 +289,7 @@ def test_tiny_lm_trains(ffn, options):
                 module.after_optimizer_step()
         losses.append(out.lm_loss.item())
     assert losses[-1] < losses[0] - 0.3
-    trained = moe_output_cost(model, data)
+    trained = routed_output_cost(model, data)
     assert trained > 0.02 and trained > 20 * abs(at_init), (at_init, trained)
     metrics = out.aux_metrics
     for name in ("balance_loss", "z_loss", "imbalance", "load_cv", "dead_experts", "router_entropy", "dropped_frac"):
