@@ -60,11 +60,17 @@ def checked_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
 
 
 def remove_hydra_only_dir(folder: Path) -> None:
-    """Hydra's run dir of a job that failed before starting, if it holds only what Hydra wrote."""
+    """Hydra's run dir of a job that failed before starting, if it holds only what Hydra wrote, and the
+    folders Hydra made for it below the working directory (outputs/<date>/) that are left empty."""
     import shutil
 
     if folder.is_dir() and {p.name for p in folder.iterdir()} <= {".hydra", "train.log"}:
         shutil.rmtree(folder)
+        cwd = Path.cwd().resolve()
+        for parent in folder.resolve().parents:
+            if parent == cwd or not parent.is_relative_to(cwd) or any(parent.iterdir()):
+                break
+            parent.rmdir()
 
 
 def train_step(run: Run) -> tuple[float, dict, float]:

@@ -75,12 +75,13 @@ def check_train(args: list[str]) -> None:
     """train.py's overrides: the first and last job of the sweep they describe (with the experiment's
     own axes) compose and pass the config checks."""
     from hydra import compose
-    from omegaconf import open_dict
+    from omegaconf import OmegaConf, open_dict
 
     from scripts.sweep import expand_grid, split_values
     from training.config import check_group_overrides, resolve_aliases
     from training.validation import check_train_config
 
+    multirun = bool({"-m", "--multirun"} & set(args))
     args = [a for a in args if a not in ("-m", "--multirun", "--cfg", "job", "X")]
     overrides = resolve_aliases([a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
     check_group_overrides(overrides)
@@ -88,6 +89,8 @@ def check_train(args: list[str]) -> None:
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}
     cfg = compose("train", first, return_hydra_config=True)
     axes = {k: v for k, v in (cfg.hydra.sweeper.params or {}).items() if k not in given}
+    # the folder Hydra makes before train.py's main runs (a bad interpolation there is a Hydra traceback)
+    assert OmegaConf.select(cfg, "hydra.sweep.dir" if multirun else "hydra.run.dir")
     with open_dict(cfg):
         del cfg["hydra"]
     check_train_config(cfg)

@@ -125,12 +125,12 @@ def test_every_shipped_config_passes():
 ])
 def test_train_py_prints_one_line_and_leaves_nothing(tmp_path, overrides, line):
     """Checked before anything is written, or failing while data is prepared: either way one line, and
-    no run dir (not even Hydra's .hydra/)."""
-    run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "train.py", *overrides, f"run_dir={run}"], cwd=ROOT,
+    no run dir (not even Hydra's .hydra/), here the default one (outputs/<date>/<time>_<name> under the
+    working directory, as a first `python train.py` makes it: no run_dir given)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip() == line, proc.stderr[-2000:]
-    assert not run.exists()
+    assert not list(tmp_path.iterdir())
 
 
 # ---- resume -------------------------------------------------------------------------------------

@@ -56,11 +56,12 @@ def with_current_names(config: dict) -> dict:
     return {k: renamed(v) if k in ("model", "arch") and isinstance(v, dict) else v for k, v in config.items()}
 
 
-def rank_zero_dir(path: str) -> str:
-    """Hydra's run dir for the main process; other ranks of `accelerate launch` get a throwaway dir
-    (train.py broadcasts the main process's dir, so every rank shares one run directory)."""
+def rank_zero_dir(path: str | None, fallback: str | None = None) -> str:
+    """Hydra's run dir for the main process: path, or fallback where path is null (run_dir's default);
+    other ranks of `accelerate launch` get a throwaway dir (train.py broadcasts the main process's dir,
+    so every rank shares one run directory)."""
     rank = int(os.environ.get("RANK", "0"))
-    return path if rank == 0 else tempfile.mkdtemp(prefix=f"swaplm-rank{rank}-")
+    return (fallback if path is None else path) if rank == 0 else tempfile.mkdtemp(prefix=f"swaplm-rank{rank}-")
 
 
 def register_hydra() -> None:
