@@ -26,6 +26,7 @@ from model.ffn.expert_parallel import ExpertParallel
 from model.ffn.moe import MoE
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+EXPERT_PLACEMENTS = (Replicate(), Shard(0))  # an expert shard on the (dp, ep) mesh
 
 
 def apply_expert_parallel(lm, size: int, world: int, device_type: str):
@@ -59,7 +60,7 @@ def expert_parameters(lm) -> list[torch.Tensor]:
 def reduce_and_clip_gradients(lm, mesh, max_norm: float | None) -> float:
     """After the backward (DDP has averaged the replicated gradients): each expert shard's gradient
     summed over the dp group and divided by the process count, then every gradient clipped to
-    max_norm (torch's rule: scale by min(1, max_norm / (norm + 1e-6))). Returns the norm before clipping."""
+    max_norm with that norm (torch's clip_grads_with_norm_). Returns the norm before clipping."""
     experts = expert_parameters(lm)
     ids = {id(p) for p in experts}
     for p in experts:
@@ -74,15 +75,13 @@ def reduce_and_clip_gradients(lm, mesh, max_norm: float | None) -> float:
     for g in grads:
         g.copy_(flat[offset:offset + g.numel()].view_as(g))
         offset += g.numel()
-    replicated = [p.grad for p in lm.parameters() if p.grad is not None and id(p) not in ids]
+    replicated = [p for p in lm.parameters() if p.grad is not None and id(p) not in ids]
     expert_sq = flat.double().square().sum()
     dist.all_reduce(expert_sq, group=mesh["ep"].get_group())
-    norm = (expert_sq + sum(g.double().square().sum() for g in replicated)).sqrt().item()
+    norm = (expert_sq + sum(p.grad.double().square().sum() for p in replicated)).sqrt()
     if max_norm is not None:
-        scale = min(1.0, max_norm / (norm + 1e-6))
-        if scale < 1.0:
-            torch._foreach_mul_(grads + replicated, scale)
-    return norm
+        torch.nn.utils.clip_grads_with_norm_(experts + replicated, max_norm, norm)
+    return norm.item()
 
 
 def step_metrics(lm, device) -> dict:
@@ -107,13 +106,12 @@ def step_metrics(lm, device) -> dict:
 def as_dtensors(state: dict, lm, mesh) -> dict:
     """The model and optimizer state dicts (get_state_dict's FQN form) with every expert shard, and
     every optimizer state of the shard's shape, as a DTensor view on the mesh (no copy)."""
-    placements = [Replicate(), Shard(0)]
     for name in expert_parameter_names(lm):
         shape = state["model"][name].shape
-        state["model"][name] = DTensor.from_local(state["model"][name], mesh, placements, run_check=False)
+        state["model"][name] = DTensor.from_local(state["model"][name], mesh, EXPERT_PLACEMENTS, run_check=False)
         if name in state["optim"].get("state", {}):  # a new dict: the old one may be the optimizer's own
             state["optim"]["state"][name] = {
-                key: DTensor.from_local(value, mesh, placements, run_check=False)
+                key: DTensor.from_local(value, mesh, EXPERT_PLACEMENTS, run_check=False)
                 if torch.is_tensor(value) and value.shape == shape else value
                 for key, value in state["optim"]["state"][name].items()}
     return state
@@ -133,8 +131,7 @@ def as_local(state: dict) -> dict:
 def full_experts(full_state: dict, lm, mesh) -> dict:
     """A full model state dict (every rank calls it: it gathers) with each expert shard replaced by all
     E experts."""
-    placements = [Replicate(), Shard(0)]
     for name in expert_parameter_names(lm):
         shard = lm.get_parameter(name).detach()
-        full_state[name] = DTensor.from_local(shard, mesh, placements, run_check=False).full_tensor().cpu()
+        full_state[name] = DTensor.from_local(shard, mesh, EXPERT_PLACEMENTS, run_check=False).full_tensor().cpu()
     return full_state

@@ -78,7 +78,7 @@ class ExpertParallel:
         local_expert = torch.repeat_interleave(torch.arange(L, device=xs.device).repeat(N), from_each.flatten())
         order = local_expert.argsort(stable=True)
         out = local_experts(received[order], from_each.sum(0))
-        out = out[order.argsort()]                        # back to the order received
+        out = torch.empty_like(out).index_copy(0, order, out)  # back to the order received
         ys = self.exchange(out, send, recv, timed)
         if not timed:
             return ys
