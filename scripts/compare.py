@@ -445,9 +445,13 @@ RUN_KEYS = ("seed", "run_dir", "resume", "init_from", "logger", "name")  # diffe
 class Architecture:
     label: str
     score: str  # "mqar_acc" (higher is better) or "val_loss" (lower is better)
-    points: dict = field(default_factory=dict)  # KEY value -> [score of each seed]
     runs: dict = field(default_factory=dict)  # KEY value -> [summary of each seed's run]
     summary: dict = field(default_factory=dict)  # the first run's summary (mixer, d_model, state_size, ...)
+
+    @property
+    def points(self) -> dict:
+        """KEY value -> [score of each seed]."""
+        return {v: [s[self.score] for s in summaries] for v, summaries in self.runs.items()}
 
     def means(self) -> dict:
         return {v: statistics.mean(scores) for v, scores in sorted(self.points.items())}
@@ -481,7 +485,6 @@ def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> lis
         score = "mqar_acc" if all(s["mqar_acc"] is not None for _, s in members) else "val_loss"
         arch = Architecture(label, score, summary=first)
         for run, s in members:
-            arch.points.setdefault(cfg_get(run.config, key), []).append(s[score])
             arch.runs.setdefault(cfg_get(run.config, key), []).append(s)
         archs.append(arch)
     return archs
