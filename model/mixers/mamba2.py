@@ -47,6 +47,7 @@ class Mamba2Options:
 @MIXERS.register("mamba2")
 class Mamba2(nn.Module):
     Options = Mamba2Options
+    parametrization = "mamba2"  # as transformers' Mamba2 (model/config.py; docs/blocks.md#parametrization)
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -77,7 +78,7 @@ class Mamba2(nn.Module):
         init_fan_in_uniform_(self.conv.conv.bias, kernel)
         init_fan_in_uniform_(self.out_proj.weight, self.d_inner, self.residual_scale)
         init_dt_bias_(self.dt_bias)  # softplus(dt_bias) ~ logU(1e-3, 1e-1)
-        init_A_log_(self.A_log, 1, 16)  # A = -exp(A_log), -A ~ U(1, 16)
+        init.copy_(self.A_log, torch.arange(1, self.num_heads + 1, dtype=torch.float32).log())  # -A = 1..H
         init.ones_(self.D)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None, segments=None) -> torch.Tensor:
