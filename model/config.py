@@ -1,7 +1,32 @@
 """LMConfig: a transformers PretrainedConfig with HF field names plus the per-layer block kinds."""
+from dataclasses import dataclass
+
 from transformers import PretrainedConfig
 
 from model.options import parse_options
+
+
+@dataclass(frozen=True)
+class Parametrization:
+    """How a model starts around and between its blocks' own inits: the token embedding, the output layer,
+    and the scale of every projection that writes into the residual stream (model/layers.py residual_scale).
+    docs/blocks.md#parametrization has the measurements behind each."""
+    tied: bool                   # lm_head shares the embedding matrix; else its own N(0, initializer_range)
+    embedding_std: float | None  # the embedding's N(0, std); None: initializer_range
+    rescale_residual: bool       # residual writes' init times 1/sqrt(2 L) (GPT-2); else as the block draws it
+    ffn_starts_at_zero: bool     # every FFN's residual write starts at 0: a layer starts as its mixer alone
+
+
+PARAMETRIZATIONS = {
+    "llama": Parametrization(tied=False, embedding_std=None, rescale_residual=False, ffn_starts_at_zero=False),
+    "fla": Parametrization(tied=False, embedding_std=None, rescale_residual=True, ffn_starts_at_zero=False),
+    "tied": Parametrization(tied=True, embedding_std=None, rescale_residual=True, ffn_starts_at_zero=False),  # GPT-2, mamba_ssm
+    # transformers' Mamba2: tied, initializer_range 0.1 for the embedding, no FFN in its layers
+    "mamba2": Parametrization(tied=True, embedding_std=0.1, rescale_residual=True, ffn_starts_at_zero=True),
+}
+# Each layer's mixer declares one (its `parametrization`); mixers that disagree: "llama". experiment=mqar's; the
+# default stays "tied", which the default corpus run measured better (docs/blocks.md#parametrization).
+PER_MIXER = "per_mixer"
 
 
 class LMConfig(PretrainedConfig):
@@ -23,7 +48,8 @@ class LMConfig(PretrainedConfig):
         rope_theta: float = 10000.0,
         rms_norm_eps: float = 1e-6,
         initializer_range: float = 0.02,
-        tie_word_embeddings: bool = True,
+        parametrization: str = "tied",
+        tie_word_embeddings: bool | None = None,
         mixer: str | list[str] = "softmax",
         ffn: str | list[str] = "dense",
         mixer_options: dict | None = None,
@@ -45,6 +71,9 @@ class LMConfig(PretrainedConfig):
         self.rope_theta = rope_theta
         self.rms_norm_eps = rms_norm_eps
         self.initializer_range = initializer_range
+        if parametrization != PER_MIXER and parametrization not in PARAMETRIZATIONS:
+            raise ValueError(f"parametrization={parametrization!r}; valid: {', '.join([PER_MIXER, *PARAMETRIZATIONS])}")
+        self.parametrization = parametrization
         # A name applies to every layer; a list gives one name per layer (hybrid schedules).
         mixer = kwargs.pop("attention", mixer)  # config.json saved before the rename
         self.mixer = list(mixer) if not isinstance(mixer, str) else mixer
@@ -57,6 +86,8 @@ class LMConfig(PretrainedConfig):
                 f"num_attention_heads={num_attention_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_key_value_heads}"
             )
+        if tie_word_embeddings is None:  # the parametrization's; given (as every saved config.json does), it wins
+            tie_word_embeddings = self.parametrization_rule().tied
         super().__init__(
             tie_word_embeddings=tie_word_embeddings,
             bos_token_id=bos_token_id,
@@ -81,6 +112,17 @@ class LMConfig(PretrainedConfig):
     @property
     def layer_ffns(self) -> list[str]:
         return self._per_layer(self.ffn, "ffn")
+
+    def parametrization_rule(self) -> Parametrization:
+        """The Parametrization this config names; per_mixer: the one every layer's mixer declares, llama if
+        they disagree (a hybrid with attention layers starts as attention wants: docs/blocks.md#parametrization)."""
+        name = self.parametrization
+        if name == PER_MIXER:
+            from model.mixers import MIXERS
+
+            declared = {MIXERS.get(m).parametrization for m in self.layer_mixers}
+            name = declared.pop() if len(declared) == 1 else "llama"
+        return PARAMETRIZATIONS[name]
 
     def options_for_mixer(self, name: str, options_class):
         """The `name` mixer's options (an `options_class`) from mixer_options[name]; bad ones are a one-line error."""

@@ -211,10 +211,16 @@ class ShortConv(nn.Module):
 
 
 def residual_scale(config) -> float:
-    """1 / sqrt(2 L): the init scale of every projection that writes into the residual stream (two per
-    layer), so that the stream's variance at init does not grow with depth (GPT-2, Megatron; mamba_ssm's
-    rescale_prenorm_residual, fla's prenorm_residual_strategy="rescale")."""
-    return 1 / math.sqrt(2 * config.num_hidden_layers)
+    """The init scale of every projection that writes into the residual stream (two per layer): 1 / sqrt(2 L)
+    where the parametrization rescales (model/config.py), so that the stream's variance at init does not grow
+    with depth (GPT-2, Megatron; mamba_ssm's rescale_prenorm_residual, fla's prenorm_residual_strategy="rescale");
+    else 1 (Llama)."""
+    return 1 / math.sqrt(2 * config.num_hidden_layers) if config.parametrization_rule().rescale_residual else 1.0
+
+
+def ffn_residual_scale(config) -> float:
+    """An FFN's residual_scale, or 0 where the parametrization starts every FFN's write at zero (model/config.py)."""
+    return 0.0 if config.parametrization_rule().ffn_starts_at_zero else residual_scale(config)
 
 
 def init_fan_in_uniform_(tensor: torch.Tensor, fan_in: int, scale: float = 1.0) -> None:

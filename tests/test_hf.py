@@ -14,7 +14,7 @@ def tiny(**kw):
 
 def test_save_load_generate_round_trip(tmp_path):
     torch.manual_seed(0)
-    m = DecoderLM(tiny()).eval()
+    m = DecoderLM(tiny(parametrization="tied")).eval()
     m.save_pretrained(tmp_path)
     assert AutoConfig.from_pretrained(tmp_path).model_type == "swaplm"
     m2 = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
@@ -40,9 +40,14 @@ def test_incremental_decoding_matches_forward():
     assert torch.allclose(torch.cat(parts, 1), full, atol=1e-5)
 
 
-def test_untied_and_errors():
-    m = DecoderLM(tiny(tie_word_embeddings=False))
-    assert m.lm_head.weight is not m.embed_tokens.weight
+def test_untied_and_errors(tmp_path):
+    m = DecoderLM(tiny(parametrization="per_mixer"))  # softmax declares llama's: untied
+    assert m.config.tie_word_embeddings is False and m.lm_head.weight is not m.embed_tokens.weight
+    m.save_pretrained(tmp_path)
+    m2 = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert m2.lm_head.weight is not m2.embed_tokens.weight and torch.equal(m2.lm_head.weight, m.lm_head.weight)
+    with pytest.raises(ValueError, match="parametrization='gpt'; valid: per_mixer, llama, fla, tied, mamba2"):
+        tiny(parametrization="gpt")
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=64"):
         m(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="unknown mixer 'nope'; valid: "):
@@ -51,11 +56,14 @@ def test_untied_and_errors():
         DecoderLM(tiny(attention=["softmax"] * 3)).config.layer_mixers
 
 
-def test_scaled_init():
-    m = DecoderLM(LMConfig(vocab_size=50, hidden_size=256, num_hidden_layers=8, num_attention_heads=4))
+@pytest.mark.parametrize("parametrization, o_std", [("fla", 0.02 / 4), ("llama", 0.02)])
+def test_scaled_init(parametrization, o_std):
+    """Residual writes at 1/sqrt(2 L) of the block's std where the parametrization rescales (fla), not in Llama's."""
+    m = DecoderLM(LMConfig(vocab_size=50, hidden_size=256, num_hidden_layers=8, num_attention_heads=4,
+                           parametrization=parametrization))
     std_q = m.layers[0].mixer.q_proj.weight.std().item()
     std_o = m.layers[0].mixer.o_proj.weight.std().item()
-    assert std_q == pytest.approx(0.02, rel=0.05) and std_o == pytest.approx(0.02 / 4, rel=0.05)
+    assert std_q == pytest.approx(0.02, rel=0.05) and std_o == pytest.approx(o_std, rel=0.05)
 
 
 def test_config_json_saved_with_attention_still_loads(tmp_path):

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from data.mqar import mqar_slice
 from model import DecoderLM, LMConfig
+from model.config import PARAMETRIZATIONS
 from training.config import CONFIG_DIR
 
 STD, LAYERS, D = 0.02, 4, 128
@@ -78,13 +79,14 @@ def test_gdn_inits_as_fla():
     assert torch.equal(mixer.o_norm.weight, torch.ones_like(mixer.o_norm.weight))
 
 
-def test_mamba2_inits_as_mamba_ssm():
+def test_mamba2_inits_as_mamba_ssm_with_transformers_decays():
     mixer = build("mamba2").layers[1].mixer
     # PyTorch's nn.Linear / nn.Conv1d defaults, U(+-1/sqrt(fan_in)): at d 128 std 0.051, not 0.02.
     assert_uniform(mixer.in_proj.weight, 1 / math.sqrt(D))
     assert_uniform(mixer.conv.conv.weight, 1 / math.sqrt(mixer.conv.kernel_size))
     assert_uniform(mixer.out_proj.weight, RESIDUAL / math.sqrt(mixer.d_inner))
-    assert_dt_and_decay(mixer, 1.0, 16.0)
+    assert_dt_and_decay(mixer, 1.0, mixer.num_heads)
+    assert torch.allclose(mixer.A_log.exp(), torch.arange(1.0, mixer.num_heads + 1))  # transformers' A = 1..H
     assert torch.equal(mixer.D, torch.ones_like(mixer.D))
     assert torch.equal(mixer.norm.weight, torch.ones_like(mixer.norm.weight))
 
@@ -102,6 +104,45 @@ def test_ffns_init_as_llama_and_deepseek_v3(shared):
         assert_normal(mlp.up_proj.weight, STD)
         assert_normal(mlp.down_proj.weight, STD * RESIDUAL)
     assert_normal(model.embed_tokens.weight, STD)
+
+
+@pytest.mark.parametrize("name", PARAMETRIZATIONS)
+def test_parametrization_starts_the_model_as_declared(name):
+    """The embedding N(0, embedding_std), lm_head tied or N(0, 0.02), the mixer's residual write at 0.02 times
+    1/sqrt(2 L) or not, every FFN's (dense, routed experts, shared experts) the same or 0; a tie_word_embeddings
+    given wins over the default."""
+    rule = PARAMETRIZATIONS[name]
+    moe = {"moe": {"num_experts": 8, "num_shared_experts": 1}}
+    model = build("softmax", ffn=["dense", "moe", "dense", "moe"], parametrization=name, ffn_options=moe)
+    assert_normal(model.embed_tokens.weight, rule.embedding_std or STD)
+    assert (model.lm_head.weight is model.embed_tokens.weight) == rule.tied
+    if not rule.tied:
+        assert_normal(model.lm_head.weight, STD)
+    residual = STD * (RESIDUAL if rule.rescale_residual else 1)
+    assert_normal(model.layers[0].mixer.o_proj.weight, residual)
+    writes = [model.layers[0].ffn.down_proj.weight, model.layers[1].ffn.down_proj, model.layers[1].ffn.shared.down_proj.weight]
+    for w in writes:
+        if rule.ffn_starts_at_zero:
+            assert torch.equal(w, torch.zeros_like(w))
+        else:
+            assert_normal(w, residual)
+    flipped = build("softmax", parametrization=name, tie_word_embeddings=not rule.tied)
+    assert (flipped.lm_head.weight is flipped.embed_tokens.weight) != rule.tied
+    assert_normal(flipped.embed_tokens.weight, rule.embedding_std or STD)
+
+
+@pytest.mark.parametrize("mixer, declared", [("softmax", "llama"), ("linear", "llama"), ("derived_gdn", "llama"),
+                                             ("dsa", "llama"), ("gdn", "fla"), ("mamba2", "mamba2"),
+                                             (["mamba2", "mamba2", "mamba2", "softmax"], "llama")])
+def test_per_mixer_parametrization_is_the_mixers_declared_one(mixer, declared):
+    """per_mixer (experiment=mqar's) builds the model its mixers declare, bit for bit; a hybrid whose mixers
+    disagree gets llama. The default is tied."""
+    assert build(mixer).config.parametrization == "tied"
+    per_mixer, named = build(mixer, parametrization="per_mixer"), build(mixer, parametrization=declared)
+    assert per_mixer.config.parametrization_rule() == PARAMETRIZATIONS[declared]
+    assert per_mixer.config.tie_word_embeddings == PARAMETRIZATIONS[declared].tied
+    a, b = per_mixer.state_dict(), named.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 @pytest.mark.parametrize("attention", MIXERS)

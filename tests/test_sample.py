@@ -26,7 +26,7 @@ def lm_and_tokenizer():
     # decoding repeats one token.
     model = DecoderLM(LMConfig(vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                                num_key_value_heads=2, intermediate_size=64, eos_token_id=0,
-                               initializer_range=0.1)).eval()
+                               initializer_range=0.1, parametrization="tied")).eval()
     return model, tokenizer
 
 

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
+from model.config import PARAMETRIZATIONS, PER_MIXER
+
 
 @dataclass(frozen=True)
 class Rule:
@@ -89,7 +91,8 @@ TRAIN_RULES = {
     "model.num_key_value_heads": positive(nullable=True),
     "model.intermediate_size": positive(nullable=True),
     "model.max_position_embeddings": Rule(int, at_least=2),
-    "model.tie_word_embeddings": FLAG,
+    "model.parametrization": Rule(str, choices=(PER_MIXER, *PARAMETRIZATIONS)),
+    "model.tie_word_embeddings": Rule(bool, nullable=True),  # null: the parametrization's
     "data.vocab_size": Rule(int, at_least=4),
     "data.val_fraction": FRACTION,
     "data.max_documents": positive(nullable=True),

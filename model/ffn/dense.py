@@ -2,13 +2,13 @@
 
 Init as Llama's MLP: N(0, initializer_range) for all three; ours differs on purpose in one place,
 shared by every block: down_proj, which writes into the residual stream, gets std * 1/sqrt(2 L)
-(model/layers.py residual_scale)."""
+(model/layers.py residual_scale), or starts at 0 where the model's parametrization says so (model/config.py)."""
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
-from model.layers import residual_scale
+from model.layers import ffn_residual_scale
 from model.registry import FFNS
 
 
@@ -20,7 +20,7 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(d, f, bias=False)
         self.up_proj = nn.Linear(d, f, bias=False)
         self.down_proj = nn.Linear(f, d, bias=False)
-        self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
+        self.init_std, self.residual_scale = config.initializer_range, ffn_residual_scale(config)
 
     def init_parameters(self) -> None:
         init.normal_(self.gate_proj.weight, mean=0.0, std=self.init_std)

@@ -49,7 +49,8 @@ Init as DeepSeek-V3 / Qwen2-MoE (transformers' _init_weights of both): router we
 weights N(0, initializer_range), the aux-free bias 0; the shared experts are a SwiGLU (Llama's MLP,
 as Qwen2-MoE's shared_expert), which initialises itself. Ours differs on purpose in one place, shared
 by every block: the experts' down projection, which writes into the residual stream, gets
-std * 1/sqrt(2 L) (model/layers.py residual_scale).
+std * 1/sqrt(2 L) (model/layers.py residual_scale), or starts at 0 where the model's parametrization
+says so (model/config.py).
 """
 import dataclasses
 import math
@@ -64,7 +65,7 @@ from transformers import initialization as init
 
 from model.ffn.dense import SwiGLU
 from model.ffn.routers import ROUTER_OPTIONS, ROUTERS, BalancedOptions, ExpertChoiceOptions, Routing
-from model.layers import residual_scale
+from model.layers import ffn_residual_scale
 from model.options import bad_option, option
 from model.registry import FFNS
 
@@ -131,7 +132,7 @@ class MoE(nn.Module):
         d = config.hidden_size
         f = opts.expert_intermediate_size or config.intermediate_size // (self.top_k + self.num_shared)
         self.hidden_size, self.expert_size = d, f
-        self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
+        self.init_std, self.residual_scale = config.initializer_range, ffn_residual_scale(config)
 
         self.router = ROUTERS[opts.router](d, opts)
         # Stacked expert weights, laid out for x @ W: gate and up fused into one [d, 2f] matrix.

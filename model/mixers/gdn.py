@@ -49,6 +49,7 @@ class GDNOptions:
 @MIXERS.register("gdn")
 class GatedDeltaNet(nn.Module):
     Options = GDNOptions
+    parametrization = "fla"  # as fla's GatedDeltaNet models (model/config.py; docs/blocks.md#parametrization)
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()

@@ -5,7 +5,8 @@ loads into them unchanged.
 
 Init as Llama (transformers' LlamaPreTrainedModel): every projection N(0, initializer_range). Ours
 differs on purpose in one place, shared by every block: o_proj, which writes into the residual
-stream, gets std * 1/sqrt(2 L) (model/layers.py residual_scale).
+stream, gets std * 1/sqrt(2 L) (model/layers.py residual_scale) unless the model's parametrization is
+Llama's own (model/config.py).
 
 With DocumentSegments (document masking) rotary runs at the segments' position_ids and a query
 attends only to its own segment (SDPA with the block-causal mask on CPU, FlexAttention with its
@@ -23,6 +24,8 @@ from model.registry import MIXERS
 
 @MIXERS.register("softmax")
 class SoftmaxAttention(nn.Module):
+    parametrization = "llama"  # the model around it starts as Llama's (model/config.py; docs/blocks.md#parametrization)
+
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
