@@ -277,14 +277,18 @@ def state_size(config: dict) -> int:
 
 
 def cache_numbers(config: dict) -> int:
+    return decode_state_numbers(build_model(config, meta=False), config["trainer"]["seq_len"])
+
+
+def decode_state_numbers(model, seq_len: int) -> int:
+    """Numbers in the model's decode cache of one sequence after seq_len tokens, summed over layers."""
     import torch
 
     from model.lm import DecodeCache
 
-    model = build_model(config, meta=False).eval()
     cache = DecodeCache(model.config.num_hidden_layers)
     with torch.no_grad():
-        model(input_ids=torch.zeros(1, config["trainer"]["seq_len"], dtype=torch.long), past_key_values=cache, use_cache=True)
+        model.eval()(input_ids=torch.zeros(1, seq_len, dtype=torch.long), past_key_values=cache, use_cache=True)
     return sum(v.numel() for layer in cache.layers for v in layer.values() if torch.is_tensor(v))
 
 
@@ -490,14 +494,19 @@ def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> lis
     return archs
 
 
+def value_text(v) -> str:
+    """A KEY value as the tables print it: numbers in %g (an lr 0.003), anything else as is (a name)."""
+    return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
+
+
 def best_over_table(archs: list[Architecture], key: str) -> str:
     lines = [f"| architecture | score | best {key} | mean | min-max | seeds | mean at every {key} |",
              "|---|---|---|---|---|---|---|"]
     for a in archs:
         best = a.best()
         scores = a.points[best]
-        every = ", ".join(f"{v:g}: {m:.4g}" for v, m in a.means().items())
-        lines.append(f"| {a.label} | {a.score} | {best:g} | {statistics.mean(scores):.4g} | "
+        every = ", ".join(f"{value_text(v)}: {m:.4g}" for v, m in a.means().items())
+        lines.append(f"| {a.label} | {a.score} | {value_text(best)} | {statistics.mean(scores):.4g} | "
                      f"{min(scores):.4g}-{max(scores):.4g} | {len(scores)} | {every} |")
     return "\n".join(lines)
 
@@ -515,7 +524,7 @@ def at_best_table(archs: list[Architecture], key: str) -> str:
         for c in columns:
             values = [s[c] for s in a.runs[a.best()] if s.get(c) is not None]
             cells.append(fmt(float(statistics.mean(values)) if values else None, c))
-        lines.append(f"| {a.label} | {a.best():g} | " + " | ".join(cells) + " |")
+        lines.append(f"| {a.label} | {value_text(a.best())} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -530,16 +539,21 @@ def plot_best_over(archs: list[Architecture], key: str, out: Path) -> list[Path]
     written = []
     for a in archs:
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        for v, scores in a.points.items():
-            ax.plot([v] * len(scores), scores, "o", color="tab:blue", alpha=0.5, ms=4)
         means = a.means()
-        ax.plot(list(means), list(means.values()), "-", color="tab:blue")
-        ax.axvline(a.best(), color="tab:green", ls=":", label=f"best {key} = {a.best():g}")
-        log = all(v > 0 for v in means)
+        numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in means)
+        x = {v: v if numeric else i for i, v in enumerate(means)}  # names (a parametrization) sit at 0, 1, ...
+        for v, scores in a.points.items():
+            ax.plot([x[v]] * len(scores), scores, "o", color="tab:blue", alpha=0.5, ms=4)
+        ax.plot([x[v] for v in means], list(means.values()), "-", color="tab:blue")
+        best = x[a.best()]
+        ax.axvline(best, color="tab:green", ls=":", label=f"best {key} = {value_text(a.best())}")
+        log = numeric and all(v > 0 for v in means)
         if len(means) == 1:  # one value: a window around it (matplotlib warns on an empty range)
-            ax.set_xlim(*((a.best() / 2, a.best() * 2) if log else (a.best() - 1, a.best() + 1)))
+            ax.set_xlim(*((best / 2, best * 2) if log else (best - 1, best + 1)))
         if log:
             ax.set_xscale("log")
+        if not numeric:
+            ax.set_xticks(list(x.values()), [str(v) for v in x], fontsize=8)
         ax.set_xlabel(key)
         ax.set_ylabel("MQAR accuracy" if a.score == "mqar_acc" else "val loss (nats/token)")
         ax.set_title(a.label, fontsize=9)

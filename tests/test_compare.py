@@ -315,3 +315,23 @@ def test_sweep_takes_overrides_after_its_options(capsys):
     assert sweep.main(["mixer=gdn", "--launcher", "python", "--jobs", "2", "seed=0,1", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "sweep of 2 job(s)" in out and "seed=1" in out
+
+
+def test_compare_best_over_parametrization(tmp_path):
+    """model.parametrization is an axis as trainer.lr is: a sweep expands it, and --best-over picks each
+    architecture's best value (gdn: tied, by MQAR accuracy), the others staying in the table."""
+    grid = sweep.expand_grid(["mixer=gdn", "model.parametrization=per_mixer,tied"])
+    assert [sweep.compose(g).model.parametrization for g in grid] == ["per_mixer", "tied"]
+    runs = tmp_path / "runs"
+    gdn = tiny_config("experiment=mqar", "attention=gdn", "trainer.seq_len=32", "data.vocab_size=64")
+    acc = {"per_mixer": (0.5, 0.7), "tied": (0.9, 0.8)}
+    for name, seeds in acc.items():
+        for seed, a in enumerate(seeds):
+            config = {**gdn, "seed": seed, "model": {**gdn["model"], "parametrization": name}}
+            rows = [{**r, "val/mqar_acc": a} for r in train_rows([10, 10], [1.0, 0.5])]
+            write_run(runs / f"gdn_{name}_{seed}", config, rows, params={"total": 1, "active": 1})
+    out = tmp_path / "report"
+    assert compare.main([str(runs), "--out", str(out), "--best-over", "model.parametrization"]) == 0
+    md = (out / "compare.md").read_text()
+    assert "| gdn-dense-d32 | mqar_acc | tied | 0.85 | 0.8-0.9 | 2 | per_mixer: 0.6, tied: 0.85 |" in md, md
+    assert (out / "best_model_parametrization" / "gdn-dense-d32.png").stat().st_size > 1000
