@@ -1,97 +1,305 @@
-"""Our mixer against transformers' implementation of the same block on the same MQAR data, side by side.
+"""Each mixer next to its reference implementation on the same MQAR data and steps, over lrs and seeds.
 
-    python scripts/mqar_side_by_side.py --block mamba2 --hidden-size 128 --steps 500 --lr 1e-2
+    python scripts/mqar_side_by_side.py --widths 64,128 --seeds 0 --steps 500 --jobs 2 --out reports/mqar_side_by_side
 
-Both models are 2 layers of the block (ours: DecoderLM with mixer=<block>, dense FFN and the
-block's defaults at head_dim 32; theirs: transformers' Mamba2ForCausalLM, mixer-only layers, the same
-heads, head_dim, state size and expand), trained on the same batches of experiment=mqar's data
-(configs/data/mqar.yaml, trainer.seq_len 64, batch 64) with the same AdamW (betas 0.9, 0.95,
-weight decay 0.1), linear warm-up of 50 steps then cosine to 0.1 lr, gradient clipping at 1.
-Prints the query accuracy per slice on the test set for both, at the end. One thread.
+Ours: DecoderLM as experiment=mqar builds it (2 layers, 2 heads, dense SwiGLU FFN, each block's
+defaults) with mixer=<mixer> and model.parametrization=<each of --parametrizations>. The references,
+transformers' own models with their own init, shaped like ours: softmax -> LlamaForCausalLM; gdn and
+derived_gdn (a gated delta rule) -> Qwen3-Next with every layer a Gated DeltaNet layer and a dense MLP;
+mamba2 -> Mamba2ForCausalLM (mixer-only layers, as mamba_ssm); linear has none. Every model of one
+(width, lr, seed) trains on the same batches of experiment=mqar's data (configs/data/mqar.yaml,
+seq_len 64, batch 64) with the same AdamW (betas 0.9, 0.95, weight decay 0.1), 50 warm-up steps then
+cosine to 0.1 lr, clipping at 1, one thread and one fresh process per run.
+
+Writes to --out: runs.jsonl (one line per run, with its accuracy curve; a rerun skips the runs it
+holds, so a second call with --seeds 1 and one lr per mixer adds a seed at the best lrs), table.md
+(per mixer and width: each side at its best lr, mean and min-max over seeds, and ours / reference),
+curves.png (accuracy against steps at the best lr, ours and the reference) and, as zoology plots them
+but at this step budget, mqar_state.png and mqar_width.png (ours at the best lr against decode-state
+size and against d_model, min-max over seeds as error bars). The table and plots read every run in
+runs.jsonl at --steps for the widths, mixers and parametrizations asked for.
 """
 import argparse
+import json
 import math
+import signal
 import sys
 import time
+from multiprocessing import get_context
 from pathlib import Path
 
 import torch
 
-from data.mqar import build_mqar
-from model import DecoderLM, LMConfig
-
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # spawned workers import this file as a module
+    sys.path.insert(0, str(ROOT))
 
-BLOCKS = ("mamba2", "gdn", "derived_gdn", "softmax", "linear", "dsa")   # ours; transformers' beside mamba2 only
+from model import DecoderLM, LMConfig  # noqa: E402
+from model.config import PARAMETRIZATIONS, PER_MIXER  # noqa: E402
 
-
-def transformers_mamba2(vocab: int, d: int, head_dim: int, state: int):
-    from transformers import Mamba2Config, Mamba2ForCausalLM
-
-    config = Mamba2Config(vocab_size=vocab, hidden_size=d, num_hidden_layers=2, expand=2, head_dim=head_dim,
-                          num_heads=2 * d // head_dim, state_size=state, n_groups=1, chunk_size=64,
-                          tie_word_embeddings=True, pad_token_id=0, bos_token_id=0, eos_token_id=0)
-    return Mamba2ForCausalLM(config)
+MIXERS = ("softmax", "gdn", "derived_gdn", "mamba2", "linear")
+REFERENCE = {"softmax": "llama", "gdn": "qwen3_next_gdn", "derived_gdn": "qwen3_next_gdn", "mamba2": "mamba2"}
+LAYERS, HEADS, SEQ_LEN, BATCH, WARMUP = 2, 2, 64, 64, 50
 
 
-def train(model, data, steps: int, lr: float, batch_size: int, seed: int) -> float:
+def ours(mixer: str, vocab: int, d: int, parametrization: str):
+    return DecoderLM(LMConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                              max_position_embeddings=SEQ_LEN, mixer=mixer, parametrization=parametrization))
+
+
+def reference(name: str, vocab: int, d: int):
+    """transformers' model of the same shape as ours (heads, head and state widths, FFN width)."""
+    if name == "qwen3_next_gdn":  # its GDN ops bind to fla's Triton kernels at import when fla is there: take the torch ones
+        sys.modules["fla"] = None
+    from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, Qwen3NextConfig,
+                              Qwen3NextForCausalLM)
+
+    mine = ours({"llama": "softmax", "qwen3_next_gdn": "gdn", "mamba2": "mamba2"}[name], vocab, d, PER_MIXER)
+    common = dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=LAYERS, pad_token_id=0, bos_token_id=0,
+                  eos_token_id=0, use_cache=False)
+    if name == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+                                            intermediate_size=mine.config.intermediate_size,
+                                            max_position_embeddings=SEQ_LEN))
+    if name == "qwen3_next_gdn":
+        gdn = mine.layers[0].mixer
+        return Qwen3NextForCausalLM(Qwen3NextConfig(
+            **common, layer_types=["linear_attention"] * LAYERS, num_experts=0,
+            intermediate_size=mine.config.intermediate_size, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+            linear_num_key_heads=gdn.num_heads, linear_key_head_dim=gdn.head_dim, linear_num_value_heads=gdn.num_v_heads,
+            linear_value_head_dim=gdn.head_v_dim, linear_conv_kernel_dim=gdn.conv_size, max_position_embeddings=SEQ_LEN))
+    m = mine.layers[0].mixer
+    return Mamba2ForCausalLM(Mamba2Config(**common, expand=m.d_inner // d, head_dim=m.head_dim, num_heads=m.num_heads,
+                                          state_size=m.state_size, n_groups=m.n_groups, conv_kernel=m.conv.kernel_size,
+                                          chunk_size=m.chunk_size, tie_word_embeddings=True))
+
+
+def run(job: dict) -> dict:
+    """Train one model on MQAR: the job with its accuracy curve (every eval_every steps) and final per-slice accuracy."""
+    torch.set_num_threads(1)
+    data = mqar_data(job["seed"])
+    torch.manual_seed(job["seed"])
+    if job["impl"] == "ours":
+        model = ours(job["mixer"], data.vocab_size, job["d"], job["parametrization"])
+    else:
+        model = reference(job["impl"], data.vocab_size, job["d"])
+    return {**job, **train(model, data, job)}
+
+
+def mqar_data(seed: int):
+    from omegaconf import OmegaConf
+
+    from data.mqar import build_mqar
+
+    return build_mqar(OmegaConf.load(ROOT / "configs" / "data" / "mqar.yaml"), seq_len=SEQ_LEN, seed=seed)
+
+
+def train(model, data, job: dict) -> dict:
+    steps, lr = job["steps"], job["lr"]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = 50
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / warmup if s < warmup else
-                                                 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup))))
-    g = torch.Generator().manual_seed(seed)
-    start = time.process_time()
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / WARMUP if s < WARMUP else
+                                                 0.1 + 0.45 * (1 + math.cos(math.pi * (s - WARMUP) / max(1, steps - WARMUP))))
+    g = torch.Generator().manual_seed(job["seed"])
+    curve, start = [], time.process_time()
     model.train()
-    for _ in range(steps):
-        batch = data.train.batch(torch.randint(0, len(data.train), (batch_size,), generator=g))
-        ids, labels = batch["input_ids"], batch["labels"]
-        logits = model(input_ids=ids).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    for step in range(1, steps + 1):
+        batch = data.train.batch(torch.randint(0, len(data.train), (BATCH,), generator=g))
+        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         schedule.step()
-    return time.process_time() - start
+        if step % job["eval_every"] == 0 or step == steps:
+            acc = data.extra_eval(model, torch.device("cpu"))
+            curve.append([step, acc["val/mqar_acc"]])
+    return {"acc": curve[-1][1], "slices": {k.split("/")[-1]: v for k, v in acc.items() if k.count("/") == 2},
+            "curve": curve, "cpu_s": round(time.process_time() - start, 1),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def job_key(job: dict) -> tuple:
+    return tuple(job[k] for k in ("impl", "mixer", "parametrization", "d", "lr", "seed", "steps"))
+
+
+def best_over_lr(runs: list[dict]) -> dict | None:
+    """The lr whose mean final accuracy over seeds is highest: {lr, mean, lo, hi, seeds, curves}."""
+    by_lr = {}
+    for r in runs:
+        by_lr.setdefault(r["lr"], []).append(r)
+    if not by_lr:
+        return None
+    lr, rs = max(by_lr.items(), key=lambda kv: sum(r["acc"] for r in kv[1]) / len(kv[1]))
+    accs = [r["acc"] for r in rs]
+    return {"lr": lr, "mean": sum(accs) / len(accs), "lo": min(accs), "hi": max(accs), "seeds": len(rs),
+            "curves": [r["curve"] for r in rs], "lrs": sorted(by_lr)}
+
+
+def summarize(runs: list[dict]) -> list[dict]:
+    """One row per (mixer, width, our parametrization): ours and the reference, each at its best lr."""
+    rows = []
+    for d in sorted({r["d"] for r in runs}):
+        for mixer in [m for m in MIXERS if any(r["mixer"] == m for r in runs)]:
+            ref = best_over_lr([r for r in runs if r["impl"] == REFERENCE.get(mixer) and r["d"] == d])
+            for par in sorted({r["parametrization"] for r in runs if r["mixer"] == mixer}):
+                mine = best_over_lr([r for r in runs if r["impl"] == "ours" and r["mixer"] == mixer and r["d"] == d
+                                     and r["parametrization"] == par])
+                if mine:
+                    rows.append({"mixer": mixer, "d": d, "parametrization": par, "ours": mine,
+                                 "reference": REFERENCE.get(mixer) if ref else None, "ref": ref,
+                                 "ratio": mine["mean"] / ref["mean"] if ref else None})
+    return rows
+
+
+def write_table(rows: list[dict], steps: int, path: Path) -> None:
+    cell = lambda b: f"{b['mean']:.3f} ({b['lo']:.3f}-{b['hi']:.3f}) at {b['lr']:g}"  # noqa: E731
+    lines = [f"MQAR accuracy after {steps} steps, each side at its best lr; mean (min-max) over seeds.", "",
+             "| mixer | d | ours: parametrization | ours | reference | reference's | ours / reference |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = (r["reference"], cell(r["ref"]), f"{r['ratio']:.2f}") if r["ref"] else ("-", "-", "-")
+        lines.append(f"| {r['mixer']} | {r['d']} | {r['parametrization']} | {cell(r['ours'])} | {ref[0]} | {ref[1]} | {ref[2]} |")
+    seeds = sorted({b[k]["seeds"] for b in rows for k in ("ours", "ref") if b[k]})
+    lrs = sorted({lr for b in rows for k in ("ours", "ref") if b[k] for lr in b[k]["lrs"]})
+    lines += ["", f"lrs tried: {', '.join(f'{lr:g}' for lr in lrs)}; seeds per point: {', '.join(map(str, seeds))}."]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot_curves(rows: list[dict], path: Path) -> None:
+    """Accuracy against steps, one panel per (mixer, width): ours per parametrization and the reference,
+    each at its best lr, the mean over seeds with the min-max band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    mixers = list(dict.fromkeys(r["mixer"] for r in rows))
+    widths = sorted({r["d"] for r in rows})
+    fig, axes = plt.subplots(len(mixers), len(widths), figsize=(4.2 * len(widths), 2.8 * len(mixers)),
+                             squeeze=False, sharex=True, sharey=True)
+    for i, mixer in enumerate(mixers):
+        for j, d in enumerate(widths):
+            ax = axes[i][j]
+            panel = [r for r in rows if r["mixer"] == mixer and r["d"] == d]
+            sides = [(f"ours, {r['parametrization']}", r["ours"], "-") for r in panel]
+            if panel and panel[0]["ref"]:
+                sides.append((f"{panel[0]['reference']} (transformers)", panel[0]["ref"], "--"))
+            for label, best, style in sides:
+                steps = [s for s, _ in best["curves"][0]]
+                accs = [[c[k][1] for c in best["curves"]] for k in range(len(steps))]
+                line, = ax.plot(steps, [sum(a) / len(a) for a in accs], style, label=f"{label}, lr {best['lr']:g}")
+                ax.fill_between(steps, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.2)
+            ax.set_title(f"{mixer}, d {d}", fontsize=9)
+            ax.set_ylim(0, 1.02)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=6, loc="upper left")
+            if i == len(mixers) - 1:
+                ax.set_xlabel("step")
+            if j == 0:
+                ax.set_ylabel("MQAR accuracy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_zoology(rows: list[dict], out: Path) -> list[Path]:
+    """Ours at the best lr per (mixer, width): accuracy against decode-state numbers and against d_model."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from scripts.compare import decode_state_numbers
+
+    written = []
+    for key, name, xlabel in (("state", "mqar_state.png", "decode state per sequence (numbers, T = 64)"),
+                              ("d", "mqar_width.png", "d_model")):
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for (mixer, par) in dict.fromkeys((r["mixer"], r["parametrization"]) for r in rows):
+            pts = []
+            for r in sorted((r for r in rows if r["mixer"] == mixer and r["parametrization"] == par), key=lambda r: r["d"]):
+                x = r["d"] if key == "d" else decode_state_numbers(ours(mixer, 64, r["d"], par), SEQ_LEN)
+                pts.append((x, r["ours"]["mean"], r["ours"]["mean"] - r["ours"]["lo"], r["ours"]["hi"] - r["ours"]["mean"]))
+            xs, ys, lo, hi = zip(*pts)
+            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=mixer if len({r["parametrization"] for r in rows}) == 1
+                        else f"{mixer}, {par}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("MQAR accuracy (mean over slices)")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        written.append(out / name)
+    return written
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--block", default="mamba2", help=f"one of {', '.join(BLOCKS)}")
-    p.add_argument("--hidden-size", type=int, default=128)
-    p.add_argument("--head-dim", type=int, default=32)
-    p.add_argument("--state-size", type=int, default=16)
+    p.add_argument("--mixers", default=",".join(MIXERS), help=f"comma-separated, from {', '.join(MIXERS)}")
+    p.add_argument("--widths", default="64,128")
+    p.add_argument("--lrs", default="3e-3,1e-2", help="for every model but softmax attention's")
+    p.add_argument("--softmax-lrs", default="1e-3,3e-3", help="for ours and Llama (softmax attention wants lower ones)")
+    p.add_argument("--seeds", default="0,1")
     p.add_argument("--steps", type=int, default=500)
-    p.add_argument("--lr", type=float, default=1e-2)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--embed-std", type=float, help="re-draw our embedding from N(0, std) (transformers' Mamba2: 0.1)")
-    p.add_argument("--untied", action="store_true", help="our lm_head its own matrix, N(0, 0.02), not the embedding")
-    p.add_argument("--ours-only", action="store_true", help="skip transformers' Mamba2")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--parametrizations", default=PER_MIXER,
+                   help=f"ours, comma-separated (model.parametrization), from {', '.join([PER_MIXER, *PARAMETRIZATIONS])}")
+    p.add_argument("--no-reference", action="store_true", help="ours only")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
+    p.add_argument("--out", default="reports/mqar_side_by_side")
     args = p.parse_args(argv)
-    if args.block not in BLOCKS:
-        sys.exit(f"error: unknown --block {args.block!r}; valid: {', '.join(BLOCKS)}")
-    torch.set_num_threads(1)
-    from omegaconf import OmegaConf
-
-    data_cfg = OmegaConf.load(ROOT / "configs" / "data" / "mqar.yaml")
-    data = build_mqar(data_cfg, seq_len=64, seed=args.seed)
-    d = args.hidden_size
-    torch.manual_seed(args.seed)
-    ours = DecoderLM(LMConfig(vocab_size=data.vocab_size, hidden_size=d, num_hidden_layers=2, num_attention_heads=2,
-                              max_position_embeddings=64, mixer=args.block, tie_word_embeddings=not args.untied,
-                              mixer_options={"mamba2": {"head_dim": args.head_dim, "state_size": args.state_size}}))
-    if args.embed_std is not None:
-        torch.nn.init.normal_(ours.embed_tokens.weight, std=args.embed_std)
-    models = [("ours", ours)]
-    if args.block == "mamba2" and not args.ours_only:
-        torch.manual_seed(args.seed)
-        models.insert(0, ("transformers", transformers_mamba2(data.vocab_size, d, args.head_dim, args.state_size)))
-    for name, model in models:
-        seconds = train(model, data, args.steps, args.lr, 64, args.seed)
-        acc = data.extra_eval(model, torch.device("cpu"))
-        print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.3f}M params, {seconds:.0f} CPU s, "
-              + ", ".join(f"{k.removeprefix('val/')} {v:.3f}" for k, v in acc.items()), flush=True)
+    mixers = args.mixers.split(",")
+    for name, given, valid in (("--mixers", mixers, MIXERS), ("--parametrizations", args.parametrizations.split(","), [PER_MIXER, *PARAMETRIZATIONS])):
+        bad = [m for m in given if m not in valid]
+        if bad:
+            sys.exit(f"error: unknown {name} {bad[0]!r}; valid: {', '.join(valid)}")
+    widths, seeds = [int(v) for v in args.widths.split(",")], [int(v) for v in args.seeds.split(",")]
+    lrs = {m: [float(v) for v in (args.softmax_lrs if m == "softmax" else args.lrs).split(",")] for m in mixers}
+    base = {"steps": args.steps, "eval_every": args.eval_every}
+    jobs = {}
+    for d in widths:
+        for seed in seeds:
+            for mixer in mixers:
+                for lr in lrs[mixer]:
+                    for par in args.parametrizations.split(","):
+                        job = {"impl": "ours", "mixer": mixer, "parametrization": par, "d": d, "lr": lr, "seed": seed, **base}
+                        jobs[job_key(job)] = job
+                    if mixer in REFERENCE and not args.no_reference:
+                        impl = REFERENCE[mixer]
+                        job = {"impl": impl, "mixer": impl, "parametrization": "own", "d": d, "lr": lr, "seed": seed, **base}
+                        jobs[job_key(job)] = job
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "runs.jsonl"
+    done = {job_key(r) for r in read_runs(log)}
+    todo = [j for k, j in jobs.items() if k not in done]
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {log}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped; {log} keeps the finished runs"))
+    # a fresh process per run (maxtasksperchild=1): the Qwen3-Next reference's import blocks fla for its process;
+    # leaving the block (or a kill) terminates the workers
+    with get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
+        for i, r in enumerate(pool.imap_unordered(run, todo), 1):
+            with log.open("a") as fh:
+                fh.write(json.dumps(r) + "\n")
+            print(f"[{i}/{len(todo)}] {r['impl']} {r['mixer']} {r['parametrization']} d{r['d']} lr {r['lr']:g} "
+                  f"seed {r['seed']}: acc {r['acc']:.3f} ({r['cpu_s']:.0f} CPU s)", flush=True)
+    pars = args.parametrizations.split(",") + ["own"]
+    runs = [r for r in read_runs(log) if r["steps"] == args.steps and r["d"] in widths and r["parametrization"] in pars
+            and (r["mixer"] in mixers or r["impl"] in [REFERENCE.get(m) for m in mixers])]
+    rows = summarize(runs)
+    write_table(rows, args.steps, out / "table.md")
+    plot_curves(rows, out / "curves.png")
+    plot_zoology(rows, out)
+    print((out / "table.md").read_text() + f"wrote table.md, curves.png, mqar_state.png and mqar_width.png in {out}")
     return 0
+
+
+def read_runs(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 if __name__ == "__main__":

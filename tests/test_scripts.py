@@ -80,15 +80,31 @@ def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache):
     assert [r[4] for r in rows[:2]] == ["-", "-"] and all(0 < float(r[4]) <= 1 for r in rows[2:])
 
 
-def test_mqar_side_by_side(capsys):
+def test_mqar_side_by_side(tmp_path, capsys):
+    """gdn beside transformers' Qwen3-Next GDN layers, each in its own process: both runs land in runs.jsonl
+    with their curves, the table has the row and its ratio, the plots are written, and a rerun trains
+    nothing. The reference ran on transformers' torch ops: fla's Triton kernels, which it binds to when fla
+    is installed, raise on a CPU without the interpreter."""
     from scripts import mqar_side_by_side
 
-    assert mqar_side_by_side.main(["--hidden-size", "32", "--head-dim", "16", "--state-size", "8", "--steps", "3"]) == 0
-    lines = capsys.readouterr().out.strip().splitlines()
-    assert [line.split(":")[0] for line in lines] == ["transformers", "ours"]
-    for line in lines:
-        accuracies = [float(v) for v in re.findall(r" (\d\.\d{3})(?:,|$)", line)]
-        assert accuracies and all(0 <= a <= 1 for a in accuracies), line
+    args = ["--mixers", "gdn", "--widths", "32", "--seeds", "0", "--lrs", "1e-2", "--steps", "2", "--eval-every", "1",
+            "--jobs", "2", "--out", str(tmp_path)]
+    assert mqar_side_by_side.main(args) == 0
+    runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
+    assert sorted(r["impl"] for r in runs) == ["ours", "qwen3_next_gdn"]
+    for r in runs:
+        assert [s for s, _ in r["curve"]] == [1, 2] and 0 <= r["acc"] <= 1 and set(r["slices"]) == {"64x2", "64x4", "64x8"}
+    ours = next(r for r in runs if r["impl"] == "ours")
+    assert ours["parametrization"] == "per_mixer" and ours["params"] > 0
+    row = table_rows((tmp_path / "table.md").read_text())[1]
+    assert row[:3] == ["gdn", "32", "per_mixer"] and row[4] == "qwen3_next_gdn"
+    for name in ("curves.png", "mqar_state.png", "mqar_width.png"):
+        assert (tmp_path / name).stat().st_size > 1000
+    capsys.readouterr()
+    assert mqar_side_by_side.main(args) == 0
+    assert "2 runs, 2 already in" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown --mixers 'gnd'; valid: softmax, gdn"):
+        mqar_side_by_side.main(["--mixers", "gnd"])
 
 
 def timed_once(fn) -> float:
