@@ -431,14 +431,19 @@ def plot_all(runs: list[Run], summaries: list[dict], out: Path, mqar_points: lis
             for mixer in sorted({s["mixer"] for s in mqar}):
                 pts = sorted((s[xkey], s["mqar_acc"]) for s in mqar if s["mixer"] == mixer and s[xkey])
                 ax.plot(*zip(*pts), "o-", label=mixer)
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel(xlabel)
-            ax.set_ylabel("MQAR accuracy (mean over slices)")
-            ax.set_ylim(0, 1.02)
-            ax.legend(fontsize=8)
-            ax.grid(alpha=0.3)
+            style_mqar_axes(ax, xlabel)
             save(fig, name)
     return written
+
+
+def style_mqar_axes(ax, xlabel: str) -> None:
+    """zoology's MQAR plot: accuracy in [0, 1] against a log2 axis (state size or width)."""
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("MQAR accuracy (mean over slices)")
+    ax.set_ylim(0, 1.02)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
 
 
 # ---- best over a swept key ---------------------------------------------------------------------------

@@ -210,7 +210,7 @@ def plot_zoology(rows: list[dict], out: Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from scripts.compare import decode_state_numbers
+    from scripts.compare import decode_state_numbers, style_mqar_axes
 
     written = []
     for key, name, xlabel in (("state", "mqar_state.png", "decode state per sequence (numbers, T = 64)"),
@@ -224,12 +224,7 @@ def plot_zoology(rows: list[dict], out: Path) -> list[Path]:
             xs, ys, lo, hi = zip(*pts)
             ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=mixer if len({r["parametrization"] for r in rows}) == 1
                         else f"{mixer}, {par}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("MQAR accuracy (mean over slices)")
-        ax.set_ylim(0, 1.02)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+        style_mqar_axes(ax, xlabel)
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
