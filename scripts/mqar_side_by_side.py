@@ -247,8 +247,8 @@ def main(argv=None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
     p.add_argument("--out", default="reports/mqar_side_by_side")
     args = p.parse_args(argv)
-    mixers = args.mixers.split(",")
-    for name, given, valid in (("--mixers", mixers, MIXERS), ("--parametrizations", args.parametrizations.split(","), [PER_MIXER, *PARAMETRIZATIONS])):
+    mixers, pars = args.mixers.split(","), args.parametrizations.split(",")
+    for name, given, valid in (("--mixers", mixers, MIXERS), ("--parametrizations", pars, [PER_MIXER, *PARAMETRIZATIONS])):
         bad = [m for m in given if m not in valid]
         if bad:
             sys.exit(f"error: unknown {name} {bad[0]!r}; valid: {', '.join(valid)}")
@@ -260,7 +260,7 @@ def main(argv=None) -> int:
         for seed in seeds:
             for mixer in mixers:
                 for lr in lrs[mixer]:
-                    for par in args.parametrizations.split(","):
+                    for par in pars:
                         job = {"impl": "ours", "mixer": mixer, "parametrization": par, "d": d, "lr": lr, "seed": seed, **base}
                         jobs[job_key(job)] = job
                     if mixer in REFERENCE and not args.no_reference:
@@ -282,8 +282,7 @@ def main(argv=None) -> int:
                 fh.write(json.dumps(r) + "\n")
             print(f"[{i}/{len(todo)}] {r['impl']} {r['mixer']} {r['parametrization']} d{r['d']} lr {r['lr']:g} "
                   f"seed {r['seed']}: acc {r['acc']:.3f} ({r['cpu_s']:.0f} CPU s)", flush=True)
-    pars = args.parametrizations.split(",") + ["own"]
-    runs = [r for r in read_runs(log) if r["steps"] == args.steps and r["d"] in widths and r["parametrization"] in pars
+    runs = [r for r in read_runs(log) if r["steps"] == args.steps and r["d"] in widths and r["parametrization"] in [*pars, "own"]
             and (r["mixer"] in mixers or r["impl"] in [REFERENCE.get(m) for m in mixers])]
     rows = summarize(runs)
     write_table(rows, args.steps, out / "table.md")

@@ -15,9 +15,10 @@ with a state of H P N = 32K floats per layer (8 heads of 64).
 
 Init as mamba_ssm (Mamba2.__init__ and MambaLMHeadModel's _init_weights): in_proj keeps PyTorch's
 nn.Linear default, U(+-1/sqrt(d_model)); the conv kernel and bias PyTorch's nn.Conv1d default,
-U(+-1/sqrt(conv_size)); softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4; D = 1; the norm's weight 1; out_proj U(+-1/sqrt(d_inner)) * 1/sqrt(2 L)
-(rescale_prenorm_residual with an MLP per layer, model/layers.py residual_scale). Not the generic
-N(0, 0.02): with it the SSM path C h starts weaker against the D x skip (tests/test_init.py).
+U(+-1/sqrt(conv_size)); softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4; D = 1; the norm's
+weight 1; out_proj U(+-1/sqrt(d_inner)) * 1/sqrt(2 L) (rescale_prenorm_residual with an MLP per layer,
+model/layers.py residual_scale). Not the generic N(0, 0.02): with it the SSM path C h starts weaker
+against the D x skip (tests/test_init.py).
 Ours differs on purpose in one place: A = -exp(A_log) with -A = 1..H as transformers' Mamba2, where
 mamba_ssm draws -A ~ U(1, 16); with the few heads of a small model that draw decides whether any head
 keeps a long memory (docs/studies/mqar.md#parametrization). transformers' Mamba2 also differs from
