@@ -12,17 +12,18 @@ class Parametrization:
     and the scale of every projection that writes into the residual stream (model/layers.py residual_scale).
     docs/blocks.md#parametrization has the measurements behind each."""
     tied: bool                   # lm_head shares the embedding matrix; else its own N(0, initializer_range)
-    embedding_std: float | None  # the embedding's N(0, std); None: initializer_range
+    unit_embedding: bool         # the embedding N(0, 1/hidden_size) (each token's vector about unit norm); else
+                                 # N(0, initializer_range)
     rescale_residual: bool       # residual writes' init times 1/sqrt(2 L) (GPT-2); else as the block draws it
     ffn_starts_at_zero: bool     # every FFN's residual write starts at 0: a layer starts as its mixer alone
 
 
 PARAMETRIZATIONS = {
-    "llama": Parametrization(tied=False, embedding_std=None, rescale_residual=False, ffn_starts_at_zero=False),
-    "fla": Parametrization(tied=False, embedding_std=None, rescale_residual=True, ffn_starts_at_zero=False),
-    "tied": Parametrization(tied=True, embedding_std=None, rescale_residual=True, ffn_starts_at_zero=False),  # GPT-2, mamba_ssm
-    # transformers' Mamba2: tied, initializer_range 0.1 for the embedding, no FFN in its layers
-    "mamba2": Parametrization(tied=True, embedding_std=0.1, rescale_residual=True, ffn_starts_at_zero=True),
+    "llama": Parametrization(tied=False, unit_embedding=False, rescale_residual=False, ffn_starts_at_zero=False),
+    "fla": Parametrization(tied=False, unit_embedding=False, rescale_residual=True, ffn_starts_at_zero=False),
+    "tied": Parametrization(tied=True, unit_embedding=False, rescale_residual=True, ffn_starts_at_zero=False),  # GPT-2, mamba_ssm
+    # transformers' Mamba2 (tied, no FFN in its layers), with the embedding at N(0, 1/d) where it draws N(0, 0.1)
+    "mamba2": Parametrization(tied=True, unit_embedding=True, rescale_residual=True, ffn_starts_at_zero=True),
 }
 # Each layer's mixer declares one (its `parametrization`); mixers that disagree: "llama". experiment=mqar's; the
 # default stays "tied", which the default corpus run measured better (docs/blocks.md#parametrization).

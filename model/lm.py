@@ -101,14 +101,15 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
     def _init_weights(self, module: nn.Module) -> None:
         """Blocks init themselves: a module that defines `init_parameters()` (every mixer, FFN and norm)
         initialises its own parameters as its reference does (model/layers.py). What no block owns is
-        initialised here, as the config's parametrization says (model/config.py): the embedding N(0, its
-        embedding_std), an untied lm_head N(0, initializer_range). transformers applies this to every module,
-        submodules first, and skips loaded weights."""
+        initialised here, as the config's parametrization says (model/config.py): the embedding N(0, 1/d)
+        or N(0, initializer_range), an untied lm_head N(0, initializer_range). transformers applies this to
+        every module, submodules first, and skips loaded weights."""
         if hasattr(module, "init_parameters"):
             module.init_parameters()
         elif isinstance(module, nn.Embedding):
-            std = self.config.parametrization_rule().embedding_std
-            init.normal_(module.weight, mean=0.0, std=self.config.initializer_range if std is None else std)
+            unit = self.config.parametrization_rule().unit_embedding
+            std = self.config.hidden_size ** -0.5 if unit else self.config.initializer_range
+            init.normal_(module.weight, mean=0.0, std=std)
         elif module is self.lm_head:
             init.normal_(module.weight, mean=0.0, std=self.config.initializer_range)
 

@@ -108,13 +108,14 @@ def test_ffns_init_as_llama_and_deepseek_v3(shared):
 
 @pytest.mark.parametrize("name", PARAMETRIZATIONS)
 def test_parametrization_starts_the_model_as_declared(name):
-    """The embedding N(0, embedding_std), lm_head tied or N(0, 0.02), the mixer's residual write at 0.02 times
+    """The embedding N(0, 1/d) or N(0, 0.02), lm_head tied or N(0, 0.02), the mixer's residual write at 0.02 times
     1/sqrt(2 L) or not, every FFN's (dense, routed experts, shared experts) the same or 0; a tie_word_embeddings
     given wins over the default."""
     rule = PARAMETRIZATIONS[name]
     moe = {"moe": {"num_experts": 8, "num_shared_experts": 1}}
     model = build("softmax", ffn=["dense", "moe", "dense", "moe"], parametrization=name, ffn_options=moe)
-    assert_normal(model.embed_tokens.weight, rule.embedding_std or STD)
+    embedding_std = model.config.hidden_size ** -0.5 if rule.unit_embedding else STD
+    assert_normal(model.embed_tokens.weight, embedding_std)
     assert (model.lm_head.weight is model.embed_tokens.weight) == rule.tied
     if not rule.tied:
         assert_normal(model.lm_head.weight, STD)
@@ -128,7 +129,7 @@ def test_parametrization_starts_the_model_as_declared(name):
             assert_normal(w, residual)
     flipped = build("softmax", parametrization=name, tie_word_embeddings=not rule.tied)
     assert (flipped.lm_head.weight is flipped.embed_tokens.weight) != rule.tied
-    assert_normal(flipped.embed_tokens.weight, rule.embedding_std or STD)
+    assert_normal(flipped.embed_tokens.weight, embedding_std)
 
 
 @pytest.mark.parametrize("mixer, declared", [("softmax", "llama"), ("linear", "llama"), ("derived_gdn", "llama"),
