@@ -6,7 +6,9 @@ Ours: DecoderLM as experiment=mqar builds it (2 layers, 2 heads, dense SwiGLU FF
 defaults) with mixer=<mixer> and model.parametrization=<each of --parametrizations>. The references,
 transformers' own models with their own init, shaped like ours: softmax -> LlamaForCausalLM; gdn and
 derived_gdn (a gated delta rule) -> Qwen3-Next with every layer a Gated DeltaNet layer and a dense MLP;
-mamba2 -> Mamba2ForCausalLM (mixer-only layers, as mamba_ssm); linear has none. Every model of one
+mamba2 -> Mamba2ForCausalLM (mixer-only layers, as mamba_ssm); linear -> fla's LinearAttentionForCausalLM
+(transformers has no linear attention; fla is requirements-gpu.txt's, and its Triton calls are swapped
+for torch: fla_linear_attention). Every model of one
 (width, lr, seed) trains on the same batches of experiment=mqar's data (configs/data/mqar.yaml,
 seq_len 64, batch 64) with the same AdamW (betas 0.9, 0.95, weight decay 0.1), 50 warm-up steps then
 cosine to 0.1 lr, clipping at 1, one thread and one fresh process per run.
@@ -20,6 +22,7 @@ size and against d_model, min-max over seeds as error bars). The table and plots
 runs.jsonl at --steps for the widths, mixers and parametrizations asked for.
 """
 import argparse
+import importlib.util
 import json
 import math
 import signal
@@ -38,7 +41,8 @@ from model import DecoderLM, LMConfig  # noqa: E402
 from model.config import PARAMETRIZATIONS, PER_MIXER  # noqa: E402
 
 MIXERS = ("softmax", "gdn", "derived_gdn", "mamba2", "linear")
-REFERENCE = {"softmax": "llama", "gdn": "qwen3_next_gdn", "derived_gdn": "qwen3_next_gdn", "mamba2": "mamba2"}
+REFERENCE = {"softmax": "llama", "gdn": "qwen3_next_gdn", "derived_gdn": "qwen3_next_gdn", "mamba2": "mamba2",
+             "linear": "fla_linear_attn"}
 LAYERS, HEADS, SEQ_LEN, BATCH, WARMUP = 2, 2, 64, 64, 50
 
 
@@ -48,15 +52,19 @@ def ours(mixer: str, vocab: int, d: int, parametrization: str):
 
 
 def reference(name: str, vocab: int, d: int):
-    """transformers' model of the same shape as ours (heads, head and state widths, FFN width)."""
+    """The reference model (transformers', or fla's for linear) of the same shape as ours (heads, head and state
+    widths, FFN width)."""
     if name == "qwen3_next_gdn":  # its GDN ops bind to fla's Triton kernels at import when fla is there: take the torch ones
         sys.modules["fla"] = None
     from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, Qwen3NextConfig,
                               Qwen3NextForCausalLM)
 
-    mine = ours({"llama": "softmax", "qwen3_next_gdn": "gdn", "mamba2": "mamba2"}[name], vocab, d, PER_MIXER)
+    mine = ours({"llama": "softmax", "qwen3_next_gdn": "gdn", "mamba2": "mamba2", "fla_linear_attn": "linear"}[name],
+                vocab, d, PER_MIXER)
     common = dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=LAYERS, pad_token_id=0, bos_token_id=0,
                   eos_token_id=0, use_cache=False)
+    if name == "fla_linear_attn":
+        return fla_linear_attention(common, mine.config.intermediate_size)
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, num_attention_heads=HEADS, num_key_value_heads=HEADS,
                                             intermediate_size=mine.config.intermediate_size,
@@ -72,6 +80,34 @@ def reference(name: str, vocab: int, d: int):
     return Mamba2ForCausalLM(Mamba2Config(**common, expand=m.d_inner // d, head_dim=m.head_dim, num_heads=m.num_heads,
                                           state_size=m.state_size, n_groups=m.n_groups, conv_kernel=m.conv.kernel_size,
                                           chunk_size=m.chunk_size, tie_word_embeddings=True))
+
+
+def fla_linear_attention(common: dict, intermediate_size: int):
+    """fla's LinearAttentionForCausalLM at its defaults (a learned Hadamard feature map, no normaliser, a per-head
+    output RMSNorm, no rotary, fla's init), with torch's norms and loss where its config offers fused ones, and
+    its Triton calls, which raise on a CPU, replaced by the same math: fla's own reference recurrence
+    (fla/ops/linear_attn/naive.py) for its linear-attention kernels, nn.RMSNorm (weight at 1, as fla's) for the
+    attention's output norm, silu(gate) * up for the MLP's swiglu."""
+    import fla.layers.linear_attn as fla_layer
+    import fla.modules.mlp as fla_mlp
+    from fla.models import LinearAttentionConfig, LinearAttentionForCausalLM
+    from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
+
+    def linear_attn(q, k, v, initial_state=None, output_final_state=False, normalize=False, cu_seqlens=None):
+        assert cu_seqlens is None, "one sequence per row"
+        return naive_recurrent_linear_attn(q, k, v, initial_state=initial_state,
+                                           output_final_state=output_final_state, normalize=normalize)
+
+    # the layer's three modes (chunk when training, fused_recurrent for a no-grad T <= 64, else fused_chunk)
+    fla_layer.chunk_linear_attn = fla_layer.fused_chunk_linear_attn = fla_layer.fused_recurrent_linear_attn = linear_attn
+    fla_mlp.swiglu = lambda gate, up: torch.nn.functional.silu(gate) * up
+    model = LinearAttentionForCausalLM(LinearAttentionConfig(
+        **common, attn_mode="chunk", num_heads=HEADS, intermediate_size=intermediate_size, max_position_embeddings=SEQ_LEN,
+        fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False))
+    for block in model.model.layers:
+        fused = block.attn.norm
+        block.attn.norm = torch.nn.RMSNorm(fused.hidden_size, eps=fused.eps)
+    return model
 
 
 def run(job: dict) -> dict:
@@ -148,7 +184,7 @@ def summarize(runs: list[dict]) -> list[dict]:
                 if mine:
                     rows.append({"mixer": mixer, "d": d, "parametrization": par, "ours": mine,
                                  "reference": REFERENCE.get(mixer) if ref else None, "ref": ref,
-                                 "ratio": mine["mean"] / ref["mean"] if ref else None})
+                                 "ratio": mine["mean"] / ref["mean"] if ref and ref["mean"] else None})
     return rows
 
 
@@ -158,7 +194,8 @@ def write_table(rows: list[dict], steps: int, path: Path) -> None:
              "| mixer | d | ours: parametrization | ours | reference | reference's | ours / reference |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ref = (r["reference"], cell(r["ref"]), f"{r['ratio']:.2f}") if r["ref"] else ("-", "-", "-")
+        ratio = "-" if r["ratio"] is None else f"{r['ratio']:.2f}"  # no reference, or one that never recalled
+        ref = (r["reference"], cell(r["ref"]), ratio) if r["ref"] else ("-", "-", "-")
         lines.append(f"| {r['mixer']} | {r['d']} | {r['parametrization']} | {cell(r['ours'])} | {ref[0]} | {ref[1]} | {ref[2]} |")
     seeds = sorted({b[k]["seeds"] for b in rows for k in ("ours", "ref") if b[k]})
     lrs = sorted({lr for b in rows for k in ("ours", "ref") if b[k] for lr in b[k]["lrs"]})
@@ -184,7 +221,7 @@ def plot_curves(rows: list[dict], path: Path) -> None:
             panel = [r for r in rows if r["mixer"] == mixer and r["d"] == d]
             sides = [(f"ours, {r['parametrization']}", r["ours"], "-") for r in panel]
             if panel and panel[0]["ref"]:
-                sides.append((f"{panel[0]['reference']} (transformers)", panel[0]["ref"], "--"))
+                sides.append((f"{panel[0]['reference']} (reference)", panel[0]["ref"], "--"))
             for label, best, style in sides:
                 steps = [s for s, _ in best["curves"][0]]
                 accs = [[c[k][1] for c in best["curves"]] for k in range(len(steps))]
@@ -252,6 +289,9 @@ def main(argv=None) -> int:
         bad = [m for m in given if m not in valid]
         if bad:
             sys.exit(f"error: unknown {name} {bad[0]!r}; valid: {', '.join(valid)}")
+    if "linear" in mixers and not args.no_reference and importlib.util.find_spec("fla") is None:
+        sys.exit("error: linear's reference is fla's LinearAttention model and fla is not installed: pip install -r "
+                 "requirements-test.txt (CPU) or -r requirements-gpu.txt (CUDA), or pass --no-reference")
     widths, seeds = [int(v) for v in args.widths.split(",")], [int(v) for v in args.seeds.split(",")]
     lrs = {m: [float(v) for v in (args.softmax_lrs if m == "softmax" else args.lrs).split(",")] for m in mixers}
     base = {"steps": args.steps, "eval_every": args.eval_every}

@@ -81,28 +81,30 @@ def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache):
 
 
 def test_mqar_side_by_side(tmp_path, capsys):
-    """gdn beside transformers' Qwen3-Next GDN layers, each in its own process: both runs land in runs.jsonl
-    with their curves, the table has the row and its ratio, the plots are written, and a rerun trains
-    nothing. The reference ran on transformers' torch ops: fla's Triton kernels, which it binds to when fla
-    is installed, raise on a CPU without the interpreter."""
+    """gdn beside transformers' Qwen3-Next GDN layers and linear beside fla's LinearAttention model, each run in
+    its own process: all four land in runs.jsonl with their curves, the table has both rows and their ratios,
+    the plots are written, and a rerun trains nothing. Both references ran on torch ops: fla's Triton kernels
+    (which transformers binds Qwen3-Next to when fla is installed, and fla's own model calls) raise on a CPU
+    without the interpreter."""
     from scripts import mqar_side_by_side
 
-    args = ["--mixers", "gdn", "--widths", "32", "--seeds", "0", "--lrs", "1e-2", "--steps", "2", "--eval-every", "1",
-            "--jobs", "2", "--out", str(tmp_path)]
+    args = ["--mixers", "gdn,linear", "--widths", "32", "--seeds", "0", "--lrs", "1e-2", "--steps", "2",
+            "--eval-every", "1", "--jobs", "2", "--out", str(tmp_path)]
     assert mqar_side_by_side.main(args) == 0
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
-    assert sorted(r["impl"] for r in runs) == ["ours", "qwen3_next_gdn"]
+    assert sorted(r["impl"] for r in runs) == ["fla_linear_attn", "ours", "ours", "qwen3_next_gdn"]
     for r in runs:
         assert [s for s, _ in r["curve"]] == [1, 2] and 0 <= r["acc"] <= 1 and set(r["slices"]) == {"64x2", "64x4", "64x8"}
-    ours = next(r for r in runs if r["impl"] == "ours")
-    assert ours["parametrization"] == "per_mixer" and ours["params"] > 0
-    row = table_rows((tmp_path / "table.md").read_text())[1]
-    assert row[:3] == ["gdn", "32", "per_mixer"] and row[4] == "qwen3_next_gdn"
+        assert r["params"] > 0 and r["parametrization"] == ("per_mixer" if r["impl"] == "ours" else "own")
+    rows = table_rows((tmp_path / "table.md").read_text())[1:]
+    assert [(r[:3], r[4]) for r in rows] == [(["gdn", "32", "per_mixer"], "qwen3_next_gdn"),
+                                            (["linear", "32", "per_mixer"], "fla_linear_attn")]
+    assert all(r[6] == "-" or float(r[6]) >= 0 for r in rows)  # "-": a reference at 0 after 2 steps
     for name in ("curves.png", "mqar_state.png", "mqar_width.png"):
         assert (tmp_path / name).stat().st_size > 1000
     capsys.readouterr()
     assert mqar_side_by_side.main(args) == 0
-    assert "2 runs, 2 already in" in capsys.readouterr().out
+    assert "4 runs, 4 already in" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown --mixers 'gnd'; valid: softmax, gdn"):
         mqar_side_by_side.main(["--mixers", "gnd"])
 
