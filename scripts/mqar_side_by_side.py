@@ -7,8 +7,8 @@ defaults) with mixer=<mixer> and model.parametrization=<each of --parametrizatio
 transformers' own models with their own init, shaped like ours: softmax -> LlamaForCausalLM; gdn and
 derived_gdn (a gated delta rule) -> Qwen3-Next with every layer a Gated DeltaNet layer and a dense MLP;
 mamba2 -> Mamba2ForCausalLM (mixer-only layers, as mamba_ssm); linear -> fla's LinearAttentionForCausalLM
-(transformers has no linear attention; fla is requirements-gpu.txt's, and its Triton calls are swapped
-for torch: fla_linear_attention). Every model of one
+(transformers has no linear attention; fla comes with requirements-test.txt on a CPU, requirements-gpu.txt
+on CUDA, and its Triton calls are swapped for torch: fla_linear_attention). Every model of one
 (width, lr, seed) trains on the same batches of experiment=mqar's data (configs/data/mqar.yaml,
 seq_len 64, batch 64) with the same AdamW (betas 0.9, 0.95, weight decay 0.1), 50 warm-up steps then
 cosine to 0.1 lr, clipping at 1, one thread and one fresh process per run.
@@ -98,7 +98,8 @@ def fla_linear_attention(common: dict, intermediate_size: int):
         return naive_recurrent_linear_attn(q, k, v, initial_state=initial_state,
                                            output_final_state=output_final_state, normalize=normalize)
 
-    # the layer's three modes (chunk when training, fused_recurrent for a no-grad T <= 64, else fused_chunk)
+    # patched in fla's modules, so for this whole process: each run has its own (run(), maxtasksperchild=1).
+    # The layer's three modes: chunk when training, fused_recurrent for a no-grad T <= 64, else fused_chunk.
     fla_layer.chunk_linear_attn = fla_layer.fused_chunk_linear_attn = fla_layer.fused_recurrent_linear_attn = linear_attn
     fla_mlp.swiglu = lambda gate, up: torch.nn.functional.silu(gate) * up
     model = LinearAttentionForCausalLM(LinearAttentionConfig(
