@@ -82,6 +82,10 @@ def train_step(run: Run) -> tuple[float, dict, float]:
     from data.batches import global_batch, micro_batches
 
     a, tc = run.accelerator, run.cfg.trainer
+    if run.linearization is not None:
+        from training.linearize import stage_at
+
+        run.linearization.set_stage(stage_at(run.step, run.cfg.linearize))
     indices = global_batch(run.step, len(run.data.train), tc.batch_size, run.cfg.seed)
     step_loss = torch.zeros((), device=a.device)
     aux = {}
@@ -176,6 +180,16 @@ def train(cfg: DictConfig) -> float:
     contention = ContentionMonitor() if a.device.type == "cpu" and a.is_main_process else None
     if contention and (warning := contention.check()):
         a.print(warning)
+    stage_ends = {}  # {step: the stage that ends there}: logged and evaluated there
+    if run.linearization is not None:
+        from training import linearize
+
+        stage_ends = linearize.stage_ends(cfg.linearize, tc.max_steps)
+        if run.step == 0:  # the student as it starts: the teacher's weights, its own mixers (zero-shot)
+            zero_shot = evaluate(run)
+            metrics.log({**zero_shot, "tokens_seen": 0}, 0)
+            a.print(f"step 0 (zero-shot): val loss {zero_shot['val/loss']:.4f}"
+                    + (f", bpb {zero_shot['val/bpb']:.4f}" if "val/bpb" in zero_shot else ""))
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not a.is_main_process, dynamic_ncols=True)
     run.model.train()
     while run.step < tc.max_steps:
@@ -194,13 +208,13 @@ def train(cfg: DictConfig) -> float:
 
         step, last = run.step, run.step == tc.max_steps
         log = {}
-        if step % tc.log_every == 0 or last:
+        if step % tc.log_every == 0 or last or step in stage_ends:  # a logging window holds one stage
             log.update(window_log(run, meter, grad_norm, contention, bar))
-        if step % tc.eval_every == 0 or last:
+        if step % tc.eval_every == 0 or last or step in stage_ends:
             log.update(evaluate(run))
             if a.is_main_process:
-                bar.write(f"step {step}: val loss {log['val/loss']:.4f}" +
-                          (f", bpb {log['val/bpb']:.4f}" if "val/bpb" in log else ""))
+                bar.write(f"step {step}" + (f" (end of {stage_ends[step]})" if step in stage_ends else "")
+                          + f": val loss {log['val/loss']:.4f}" + (f", bpb {log['val/bpb']:.4f}" if "val/bpb" in log else ""))
         if log:
             metrics.log({**log, "tokens_seen": step * run.tokens_per_step}, step)
         stopping = a.reduce(torch.tensor(float(stop.signal is not None), device=a.device), reduction="sum").item() > 0

@@ -25,12 +25,13 @@ def composed(*overrides):
 
 
 def every_train_config():
-    """The composed train.py config of every data, optimizer and experiment choice."""
+    """The composed train.py config of every data, optimizer and experiment choice (experiment=linearize
+    with the init_from it needs)."""
     for data in group_choices("data"):
         for optimizer in group_choices("optimizer"):
             yield composed(f"data={data}", f"optimizer={optimizer}")
     for experiment in group_choices("experiment"):
-        yield composed(f"experiment={experiment}")
+        yield composed(f"experiment={experiment}", *(["init_from=teacher"] if experiment == "linearize" else []))
 
 
 def test_every_number_and_flag_has_a_rule():
@@ -105,6 +106,10 @@ def test_bad_eval_value_is_one_line(key, value):
     (["trainer.schedule=wsd", "trainer.warmup_steps=110"], "trainer.warmup_steps=110; valid with schedule=wsd: <= "),
     (["data.vocab_size=200"], "data.vocab_size=200; valid: >= 257 with data.tokenizer=bpe"),
     (["model.mixer=[gdn,softmax]"], "model.mixer lists 2 layers; valid: one name per layer (model.num_hidden_layers=4)"),
+    (["init_from=x", "linearize.transfer_steps=100", "linearize.distill_steps=30"],
+     "linearize.transfer_steps=100 + linearize.distill_steps=30; valid: <= trainer.max_steps=120"),
+    (["linearize.distill_steps=30"], "linearize.transfer_steps=0, linearize.distill_steps=30 with init_from=null; "
+                                     "valid: init_from=<the softmax teacher"),
 ])
 def test_values_that_do_not_fit_each_other(overrides, message):
     with pytest.raises(ValueError) as e:

@@ -23,6 +23,7 @@ import re
 import shutil
 import signal
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -112,7 +113,8 @@ def save_checkpoint(run_dir: Path, model, optimizers: list, scheduler, state: di
 
 def load_checkpoint(folder: Path, model, optimizers: list, scheduler, expert_mesh=None) -> dict:
     """Load model, optimizer and scheduler state in place (resharding to this run's layout, expert
-    parallelism included); returns trainer_state.json."""
+    parallelism included); returns trainer_state.json. The optimizer state loads for the parameters that
+    require gradients (torch's get_state_dict fills an empty state for those), as when it was saved."""
     model_state, optim_state = get_state_dict(model, optimizers)
     state = with_expert_shards({"model": model_state, "optim": optim_state}, model, expert_mesh)
     run_dcp(dcp.load, state, folder / "state")
@@ -122,7 +124,12 @@ def load_checkpoint(folder: Path, model, optimizers: list, scheduler, expert_mes
         state = as_local(state)
     set_state_dict(model, optimizers, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(torch.load(folder / "scheduler.pt", weights_only=False))
-    return json.loads((folder / "trainer_state.json").read_text())
+    return trainer_state(folder)
+
+
+def trainer_state(folder: Path) -> dict:
+    """A checkpoint's trainer_state.json: step, tokens seen, elapsed time, processes."""
+    return json.loads((Path(folder) / "trainer_state.json").read_text())
 
 
 def with_expert_shards(state: dict, model, expert_mesh) -> dict:
@@ -218,7 +225,8 @@ def load_lm(path: str | Path, dtype: torch.dtype | None = None):
 
     folder = weights_dir(path)
     if not (folder / "state").is_dir():
-        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+        with no_progress_bar():  # transformers' per-tensor bar: noise in a run's first lines, and on a one-line error
+            return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     from transformers import AutoConfig
 
     lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
@@ -228,9 +236,23 @@ def load_lm(path: str | Path, dtype: torch.dtype | None = None):
     return lm.to(dtype) if dtype is not None else lm
 
 
-def load_matching_weights(model: torch.nn.Module, path: str | Path) -> dict[str, list[str]]:
-    """Copy every weight whose name and shape match; return what was new, unused or mismatched."""
-    source = load_lm(path).state_dict()
+@contextmanager
+def no_progress_bar():
+    from transformers.utils import logging
+
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()
+
+
+def load_matching_weights(model: torch.nn.Module, source: str | Path | dict) -> dict[str, list[str]]:
+    """Copy every weight of `source` (a model's path, or its state dict) whose name and shape match; return
+    what was new, unused or mismatched."""
+    source = source if isinstance(source, dict) else load_lm(source).state_dict()
     own = model.state_dict()
     loaded = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
     model.load_state_dict(loaded, strict=False)

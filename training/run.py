@@ -34,6 +34,7 @@ class Run:
     t_origin: float        # time/elapsed counts from here (moved back on resume)
     last_ckpt: Path | None
     expert_mesh: object = None  # the (dp, ep) DeviceMesh with trainer.expert_parallel > 1 (training/parallel.py)
+    linearization: object = None  # training/linearize.py's Linearization (lm beside its teacher), when linearize.* stages run
 
     @property
     def tokens_per_step(self) -> int:
@@ -48,6 +49,7 @@ def setup(cfg: DictConfig) -> Run:
     from data import build_data
     from model import DecoderLM
     from training import checkpoint as ckpt
+    from training import linearize
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
     from training.parallel import apply_expert_parallel
     from training.perf import device_peak
@@ -73,8 +75,16 @@ def setup(cfg: DictConfig) -> Run:
         data = build_data(cfg.data, tc.seq_len, cfg.seed)
     eos = data.tokenizer.eos_token_id if data.tokenizer is not None else None
     lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
+    lc = cfg.get("linearize")  # absent from the saved config of a run started before it existed
+    teacher = None
+    if lc is not None and linearize.uses_teacher(lc):
+        if state.distributed_type == DistributedType.FSDP:
+            raise ValueError("linearize.* stages with FSDP: not supported yet (the transfer stage calls each layer's "
+                             "mixer outside its FSDP unit; use DDP)")
+        teacher = linearize.load_teacher(cfg.init_from, lm.config)
     if cfg.init_from:
-        report = ckpt.load_matching_weights(lm, cfg.init_from)
+        source = cfg.init_from if teacher is None else linearize.teacher_state_for(lm, teacher)
+        report = ckpt.load_matching_weights(lm, source)
         state.print(f"init_from {cfg.init_from}: loaded {len(report['loaded'])} tensors; "
                     f"new: {report['new'] or 'none'}; unused: {report['unused'] or 'none'}; "
                     f"shape mismatch: {report['shape_mismatch'] or 'none'}")
@@ -88,15 +98,24 @@ def setup(cfg: DictConfig) -> Run:
         raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
     expert_mesh = apply_expert_parallel(lm, tc.expert_parallel, world, "cuda" if use_cuda else "cpu")
 
-    # DDP searches the graph for parameters without gradients only where some can have none.
-    find_unused = lm.leaves_parameters_unused() or bool(tc.trainable)
+    linearization = None
+    if teacher is not None:
+        linearization = linearize.Linearization(lm, teacher.to(state.device), lc, report["new"])
+        if lc.transfer_steps and not linearization.linearized:
+            raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, but every student layer is "
+                             f"{linearize.TEACHER_MIXER}, as the teacher's; valid: 0, or a student with other mixers "
+                             "(mixer=derived_gdn, or 'model.mixer=[...]')")
+    # DDP searches the graph for parameters without gradients only where some can have none (the linearize
+    # stages train different sets).
+    find_unused = lm.leaves_parameters_unused() or bool(tc.trainable) or linearization is not None
     accelerator = Accelerator(
         cpu=not use_cuda, mixed_precision="bf16" if (use_cuda and tc.bf16) else "no",
         log_with="wandb" if cfg.logger.name == "wandb" else None,
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
     optimizer = build_optimizer(lm, cfg.optimizer, tc.lr, accelerator.distributed_type)
     scheduler = build_scheduler(optimizer, tc)
-    model = torch.compile(lm) if (use_cuda and tc.compile) else lm
+    model = lm if linearization is None else linearization  # what train_step calls
+    model = torch.compile(model) if (use_cuda and tc.compile) else model
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is not prepared: Accelerate would step it once per process.
 
@@ -106,9 +125,11 @@ def setup(cfg: DictConfig) -> Run:
               scheduler=scheduler, micro=micro,
               flops_per_token=flops_per_token,
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
-              step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh)
+              step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh, linearization=linearization)
     resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
     if resume_from is not None:
+        if linearization is not None:  # the saved optimizer state covers what its last step trained: load in that stage
+            linearization.set_stage(linearize.stage_at(ckpt.trainer_state(resume_from)["step"] - 1, lc))
         saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler, expert_mesh)
         run.step, run.last_ckpt = saved["step"], resume_from
         run.t_origin -= saved["elapsed"]  # time/elapsed continues from where the checkpoint left off
@@ -139,4 +160,6 @@ def setup(cfg: DictConfig) -> Run:
         f"layers {lm.config.layer_mixers} x {lm.config.layer_ffns} | {len(data.train)} train / "
         f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}")
     accelerator.print(run.peak.describe())
+    if linearization is not None:
+        accelerator.print(linearization.describe(tc.max_steps))
     return run

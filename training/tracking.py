@@ -25,7 +25,7 @@ from training.metrics import read_metrics
 
 TAG_LIMIT = 64  # W&B's limit on a tag's length
 STEP_METRIC = "tokens_seen"
-STEPPED = ("train/*", "val/*", "perf/*", "moe/*", "lr", "grad_norm", "time/*")
+STEPPED = ("train/*", "val/*", "perf/*", "moe/*", "linearize/*", "lr", "grad_norm", "time/*")
 MINIMISED = ("val/loss", "val/bpb")
 
 

@@ -85,6 +85,12 @@ TRAIN_RULES = {
     "trainer.sample_temperature": Rule(float, at_least=0),
     "trainer.sample_top_p": Rule(float, above=0, at_most=1),
     "trainer.sample_repetition_penalty": Rule(float, above=0),
+    "linearize.transfer_steps": count(),
+    "linearize.transfer_loss": Rule(str, choices=("mse", "relative")),
+    "linearize.transfer_trains": Rule(str, choices=("new", "mixer")),
+    "linearize.distill_steps": count(),
+    "linearize.temperature": Rule(float, above=0),
+    "linearize.ce_weight": Rule(float, at_least=0),
     "model.hidden_size": positive(),
     "model.num_hidden_layers": positive(),
     "model.num_attention_heads": positive(),
@@ -178,6 +184,13 @@ def check_train_config(cfg) -> None:
     if tc.schedule == "wsd" and tc.warmup_steps + decay > tc.max_steps:
         raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid with schedule=wsd: <= trainer.max_steps - "
                          f"the {decay} decay steps (wsd_decay_fraction={tc.wsd_decay_fraction}) = {tc.max_steps - decay}")
+    lc = cfg.get("linearize")  # absent from the saved config of a run started before it existed
+    if lc is not None and lc.transfer_steps + lc.distill_steps > tc.max_steps:
+        raise ValueError(f"linearize.transfer_steps={lc.transfer_steps} + linearize.distill_steps={lc.distill_steps}; "
+                         f"valid: <= trainer.max_steps={tc.max_steps} (the stages are the run's first steps)")
+    if lc is not None and lc.transfer_steps + lc.distill_steps and not cfg.init_from:
+        raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} with "
+                         f"init_from=null; valid: init_from=<the softmax teacher: run dir or HF dir>")
     for group in ("mixer", "ffn"):
         given = m.get(group)
         if OmegaConf.is_list(given) and len(given) != m.num_hidden_layers:

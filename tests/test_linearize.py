@@ -1,0 +1,270 @@
+"""training/linearize.py: the student takes every teacher tensor (GQA key/value heads repeated where the
+student has one per query head), a softmax student of a softmax teacher has transfer loss and KL exactly 0
+(and a linearized one does not), the transfer stage gives gradients to exactly the parameters it names,
+the distillation KL against a hand computation; through train.py: the stages under 2-process DDP equal 1
+process with accumulation, a stage boundary survives SIGTERM + resume, and a teacher that does not fit is
+one line."""
+import math
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from conftest import ROOT, TINY, run_train
+from model import DecoderLM, LMConfig
+from training.checkpoint import load_matching_weights
+from training.linearize import Linearization, distill_kl, teacher_state_for
+from training.metrics import read_metrics
+
+SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=64)
+LINEARIZE = OmegaConf.create({"transfer_steps": 2, "transfer_loss": "mse", "transfer_trains": "new", "distill_steps": 2,
+                              "temperature": 1.0, "ce_weight": 0.0})
+
+
+def teacher(seed=0) -> DecoderLM:
+    """A softmax model whose every tensor is off its init (the norms start at ones in every model)."""
+    torch.manual_seed(seed)
+    model = DecoderLM(LMConfig(**SHAPE))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return model.eval().requires_grad_(False)
+
+
+GDN_V = {"gdn": {"expand_v": 1}}  # gdn's value heads as wide as the teacher's: its v and o projections load
+
+
+def student_of(source: DecoderLM, mixer, lc=LINEARIZE, mixer_options=GDN_V) -> tuple[Linearization, dict]:
+    torch.manual_seed(1)
+    student = DecoderLM(LMConfig(**SHAPE, mixer=mixer, mixer_options=mixer_options))
+    report = load_matching_weights(student, teacher_state_for(student, source))
+    return Linearization(student, source, lc, report["new"]), report
+
+
+def batch(seed=0, documents=True):
+    """Two rows of 24 tokens; with documents, row 0 packs two documents (position_ids restart at 10)."""
+    ids = torch.randint(0, 64, (2, 24), generator=torch.Generator().manual_seed(seed))
+    out = {"input_ids": ids, "labels": ids}
+    if documents:
+        pos = torch.arange(24).repeat(2, 1)
+        pos[0, 10:] = torch.arange(14)
+        out["position_ids"] = pos
+    return out
+
+
+MIXER_NEW = {  # what each mixer adds to softmax attention's q/k/v/o projections
+    "derived_gdn": set(),
+    "linear": set(),
+    "gdn": {"a_proj.weight", "b_proj.weight", "g_proj.weight", "q_conv.conv.weight", "k_conv.conv.weight",
+            "v_conv.conv.weight", "A_log", "dt_bias", "o_norm.weight"},
+}
+
+
+@pytest.mark.parametrize("mixer", ["derived_gdn", "linear", "gdn", ["gdn", "softmax"]])
+def test_every_teacher_tensor_lands_in_the_student(mixer):
+    """Every teacher tensor is in the student, equal; GDN's k and v projections (one head per query head)
+    are the teacher's 2 grouped heads each repeated twice (head h = group h // 2); what the report calls
+    new is exactly what the mixer adds."""
+    source = teacher()
+    lin, report = student_of(source, mixer)
+    own, theirs = lin.student.state_dict(), source.state_dict()
+    kinds = lin.student.config.layer_mixers
+    d = source.config.head_dim
+    for name, w in theirs.items():
+        layer = int(name.split(".")[1]) if name.startswith("layers.") else None
+        if layer is not None and kinds[layer] == "gdn" and name.endswith(("k_proj.weight", "v_proj.weight")):
+            assert own[name].shape == (4 * d, 32) and w.shape == (2 * d, 32)
+            for h in range(4):
+                assert torch.equal(own[name][h * d:(h + 1) * d], w[(h // 2) * d:(h // 2 + 1) * d]), (name, h)
+        else:
+            assert torch.equal(own[name], w), name
+    expected_new = {f"layers.{i}.mixer.{n}" for i, kind in enumerate(kinds) for n in MIXER_NEW.get(kind, ())}
+    assert set(report["new"]) == expected_new and report["unused"] == [] and report["shape_mismatch"] == []
+    assert sorted(report["loaded"]) == sorted(theirs)
+
+
+def test_softmax_student_has_zero_transfer_loss_and_kl_and_a_linearized_one_does_not():
+    """A softmax student of a softmax teacher, on packed documents: every layer's output on the teacher's own
+    mixer input equals the teacher's exactly (transfer loss 0, both losses), the logits too (KL 0); a
+    derived_gdn student's are not (the check can fail)."""
+    source = teacher()
+    for loss in ("mse", "relative"):
+        lin, _ = student_of(source, "softmax", OmegaConf.merge(LINEARIZE, {"transfer_loss": loss}))
+        lin.set_stage("transfer")
+        out = lin(**batch())
+        assert out.loss.item() == 0.0 and out.aux_metrics["linearize/transfer/loss"].item() == 0.0
+        assert all(out.aux_metrics[f"linearize/transfer/layer{i}/rel_error"].item() == 0.0 for i in range(2))
+    lin.set_stage("distill")
+    out = lin(**batch())
+    assert out.aux_metrics["linearize/distill/kl"].item() == 0.0 and out.loss.item() == 0.0
+
+    linearized, _ = student_of(source, "derived_gdn")
+    linearized.set_stage("transfer")
+    out = linearized(**batch())
+    errors = [out.aux_metrics[f"linearize/transfer/layer{i}/rel_error"].item() for i in range(2)]
+    assert out.loss.item() > 0 and all(0.01 < e < 2 for e in errors), errors
+    linearized.set_stage("distill")
+    assert linearized(**batch()).aux_metrics["linearize/distill/kl"].item() > 1e-4
+
+
+@pytest.mark.parametrize("mixer,trains", [("gdn", "new"), ("gdn", "mixer"), ("derived_gdn", "new"),
+                                          (["derived_gdn", "softmax"], "new")])
+def test_transfer_gives_gradients_to_exactly_the_named_parameters(mixer, trains):
+    """transfer: only the named parameters get gradients (the others' grads stay None), and the named ones
+    are what the option says: gdn's own additions (new) or its whole mixer (mixer); a mixer that adds nothing
+    trains its q/k/v/o; a kept softmax layer nothing. distill: every parameter."""
+    lc = OmegaConf.merge(LINEARIZE, {"transfer_trains": trains})
+    lin, report = student_of(teacher(), mixer, lc)
+    kinds = lin.student.config.layer_mixers
+    linearized = [i for i, kind in enumerate(kinds) if kind != "softmax"]
+    mixer_params = {n for n, _ in lin.student.named_parameters() if any(n.startswith(f"layers.{i}.mixer.") for i in linearized)}
+    expected = (mixer_params & set(report["new"])) if trains == "new" and report["new"] else mixer_params
+    assert lin.transfer_parameters == sorted(expected) and expected
+    lin.set_stage("transfer")
+    lin(**batch()).loss.backward()
+    got = {n for n, p in lin.student.named_parameters() if p.grad is not None}
+    assert got == expected
+    assert all(lin.student.get_parameter(n).grad.abs().sum() > 0 for n in expected)
+    assert all(p.grad is None for p in lin.teacher.parameters())
+
+    lin.student.zero_grad(set_to_none=True)
+    lin.set_stage("distill")
+    lin(**batch()).loss.backward()
+    assert all(p.grad is not None for p in lin.student.parameters())
+
+
+def test_distill_kl_against_a_hand_computation():
+    """T^2 mean over the tokens with a target of sum_v p_t(v) log(p_t(v) / p_s(v)), p = softmax(z / T), written out
+    in float64 loops; the position without a target (-100) is left out."""
+    g = torch.Generator().manual_seed(0)
+    student, teacher_logits = torch.randn(2, 3, 5, generator=g), 3 * torch.randn(2, 3, 5, generator=g)
+    targets = torch.tensor([[1, 2, -100], [0, 4, 3]])
+    for temperature in (1.0, 2.5):
+        total, count = 0.0, 0
+        for b in range(2):
+            for t in range(3):
+                if targets[b, t] == -100:
+                    continue
+                zs = [float(x) / temperature for x in student[b, t]]
+                zt = [float(x) / temperature for x in teacher_logits[b, t]]
+                ps = [math.exp(z) / sum(math.exp(y) for y in zs) for z in zs]
+                pt = [math.exp(z) / sum(math.exp(y) for y in zt) for z in zt]
+                total += sum(p * math.log(p / q) for p, q in zip(pt, ps))
+                count += 1
+        expected = temperature ** 2 * total / count
+        assert distill_kl(student, teacher_logits, targets, temperature).item() == pytest.approx(expected, rel=1e-6)
+
+
+# through train.py ---------------------------------------------------------------------------------
+STAGES = ["mixer=derived_gdn", "linearize.transfer_steps=2", "linearize.distill_steps=2", "trainer.max_steps=6",
+          "trainer.eval_every=100"]
+
+
+def losses(run_dir):
+    return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
+
+
+def stages(run_dir):
+    return {r["step"]: int(r["linearize/stage"]) for r in read_metrics(run_dir) if "linearize/stage" in r}
+
+
+@pytest.mark.slow
+def test_stages_under_ddp_equal_one_process_with_accumulation(tmp_path, tiny_run, data_cache):
+    """transfer, distill and finetune on 2 processes (DDP; the trained set changes at each stage) give the
+    losses, transfer errors and KL of 1 process with accumulation, step by step; each stage's last step is
+    evaluated, and step 0 (the zero-shot student)."""
+    from test_distributed import DDP, run_info
+
+    teacher_dir, _ = tiny_run
+    one, two = tmp_path / "one", tmp_path / "two"
+    run_train(one, *STAGES, f"init_from={teacher_dir}", "trainer.grad_accum=2", "trainer.ckpt_every=2", cache=data_cache)
+    run_train(two, *STAGES, f"init_from={teacher_dir}", launcher=DDP, cache=data_cache)
+    assert run_info(one)["processes"] == 1 and run_info(two)["processes"] == 2
+    assert run_info(two)["ddp_find_unused_parameters"] is True
+    assert stages(one) == stages(two) == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 2}
+    rows = [{r["step"]: r for r in read_metrics(d)} for d in (one, two)]
+    for step in range(1, 7):
+        for key in ("train/loss", "linearize/transfer/loss", "linearize/transfer/layer1/rel_error", "linearize/distill/kl"):
+            if key in rows[0][step]:
+                assert rows[1][step][key] == pytest.approx(rows[0][step][key], rel=1e-4, abs=1e-7), (step, key)
+    evaluated = sorted(r["step"] for r in read_metrics(two) if "val/loss" in r)
+    assert evaluated == [0, 2, 4, 6]
+
+    # the checkpoint at the transfer -> distill boundary (its optimizer state holds only what transfer trained)
+    # resumes on 2 processes and continues the 1-process curve
+    resumed = tmp_path / "resumed"
+    (resumed / "checkpoints").mkdir(parents=True)
+    shutil.copytree(one / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
+    proc = run_train(resumed, *STAGES, f"init_from={teacher_dir}", "resume=auto", launcher=DDP, cache=data_cache)
+    assert "resumed from" in proc.stdout and "at step 2 (saved by 1 process(es), now 2)" in proc.stdout
+    assert losses(resumed) == pytest.approx({s: losses(one)[s] for s in range(3, 7)}, rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_a_stage_boundary_survives_sigterm_and_resume(tmp_path, tiny_run, data_cache):
+    """SIGTERM during the transfer stage saves a checkpoint; the printed command resumes it through the
+    transfer -> distill -> finetune boundaries with the losses of an uninterrupted run and into the same
+    (offline) W&B run. The teacher is loaded again, never saved."""
+    teacher_dir, _ = tiny_run
+    run, reference = tmp_path / "sig", tmp_path / "reference"
+    constant = ["trainer.schedule=constant", "trainer.warmup_steps=0", "mixer=derived_gdn", f"init_from={teacher_dir}",
+                "linearize.transfer_steps=8", "linearize.distill_steps=4"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWAPLM_CACHE": str(data_cache), "WANDB_MODE": "offline"}
+    cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "logger=wandb", *constant, f"run_dir={run}",
+           "trainer.max_steps=100000", "trainer.ckpt_every=100000", "trainer.eval_every=100000"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while not losses(run) and time.time() < deadline:  # the first step has run
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-2000:]
+    printed = re.search(r"continue with `([^`]*)`", out).group(1)
+    (ckpt,) = (run / "checkpoints").glob("step_*")
+    step = int(ckpt.name.split("_")[1])
+    assert 1 <= step < 8, step  # stopped inside transfer: the resumed run crosses both boundaries
+    assert not any("teacher" in p.name for p in ckpt.rglob("*"))
+    proc = subprocess.run([sys.executable, *shlex.split(printed)[1:], "trainer.max_steps=14"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert f"resumed from {ckpt} at step {step}" in proc.stdout
+    run_train(reference, *constant, "trainer.max_steps=14", "trainer.sample_tokens=0", cache=data_cache)
+    a, b = losses(reference), losses(run)
+    assert stages(run) == stages(reference) == {s: 0 if s <= 8 else 1 if s <= 12 else 2 for s in range(1, 15)}
+    for s in range(step + 1, 15):
+        assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a, b)
+    run_id = (run / "wandb_run_id").read_text().strip()
+    folders = sorted((run / "wandb").glob("offline-run-*"))
+    assert len(folders) == 2 and all((f / f"run-{run_id}.wandb").exists() for f in folders), folders
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["not softmax", "wrong shape", "no linearized layer"])
+def test_a_teacher_that_does_not_fit_is_one_line(tmp_path, tiny_run, data_cache, case):
+    """A gdn teacher, a student narrower than the teacher, a softmax student with a transfer stage: one line on
+    stderr naming init_from or the stage, and no run dir."""
+    teacher_dir, _ = tiny_run
+    overrides = {"not softmax": [], "wrong shape": ["model.hidden_size=32"], "no linearized layer": ["mixer=softmax"]}[case]
+    if case == "not softmax":
+        gdn = DecoderLM(LMConfig.from_pretrained(teacher_dir / "final", mixer="gdn"))
+        teacher_dir = tmp_path / "gdn_teacher"
+        gdn.save_pretrained(teacher_dir)
+    run = tmp_path / "run"
+    proc = run_train(run, "mixer=derived_gdn", f"init_from={teacher_dir}", "linearize.transfer_steps=2", *overrides,
+                     check=False, cache=data_cache)
+    lines = proc.stderr.strip().splitlines()
+    expected = {"not softmax": f"error: init_from={teacher_dir}: the teacher's layers are ['gdn', 'gdn']; valid: a softmax model",
+                "wrong shape": f"error: init_from={teacher_dir}: the teacher has hidden_size=64 (student 32), head_dim=16 (student 8); valid: a "
+                               "student of the teacher's shape",
+                "no linearized layer": "error: linearize.transfer_steps=2, but every student layer is softmax"}[case]
+    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-2000:]
+    assert not run.exists()
