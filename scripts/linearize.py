@@ -8,29 +8,31 @@ model/ops/gated_delta.py derived_gated_delta_rule) approximate softmax attention
       - derived GDN, its recursion exactly, and with clamp_ktil (the derived_gdn mixer's default).
     q and k carry (s / sqrt(d))^1/2 each in both linearizations. Writes a markdown table and a PNG.
 
-(b) Zero-shot linearization (--checkpoint DIR, a trained softmax DecoderLM): validation loss / perplexity
-    of the checkpoint as is, then with every layer (or --layers 0,2) swapped to derived_gdn (clamped and
-    exact), to VaLA (same projections, quadratic-time reference core defined here) and to the `linear`
-    mixer (elu+1 normalised linear attention over the same projections); then --finetune-steps AdamW steps
-    at --lr on the derived_gdn model and its loss after. Token blocks come from the checkpoint's own
-    training data (load_blocks).
+(b) Per-layer error on a trained model (--teacher DIR, a softmax run): each layer's mixer run on the teacher's
+    own input to its attention (val sequences of the teacher's data, document-masked as in training), as
+    ||y - y_teacher|| / ||y_teacher|| against the teacher's attention output, for VaLA (a quadratic-time
+    reference core defined here), the `linear` mixer (elu+1, normalised) and derived GDN (exact and clamped),
+    each zero-shot over the teacher's projections, and for each --students run as trained (a linearize run,
+    e.g. one that ran only its transfer stage: training/linearize.py logs the same error while it trains).
+    Writes layer_errors.md and a PNG. Linearizing the whole model (val loss zero-shot and after each stage) is
+    train.py's: python train.py experiment=linearize init_from=<softmax run> (docs/linearize.md).
 
     python scripts/linearize.py                              # part (a) only, outputs/linearize/
-    python scripts/linearize.py --checkpoint outputs/<softmax run> --layers 0,2 --finetune-steps 300
+    python scripts/linearize.py --teacher outputs/<softmax run> --students outputs/<linearize run> ...
 """
 import argparse
+import copy
 import math
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from data.types import Split
 from model import DecoderLM
+from model.layers import AuxCollector
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.gated_delta import derived_gated_delta_rule
 from model.ops.kernels import repeat_heads
-from training.evaluation import evaluate_split
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,14 +47,18 @@ def softmax_attention(q, k, v, scale):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(1, 2)
 
 
-def vala_attention(q, k, v, scale):
+def vala_attention(q, k, v, scale, mask=None):
     """o_t = vbar_t + ((1/t) sum_{i<=t} v_i k_i^T - vbar_t kbar_t^T) q_t, q and k times scale^1/2
-    (quadratic-time form: (1/t) sum_i v_i (k_i . q_t) through a causal mask)."""
+    (quadratic-time form: (1/t) sum_i v_i (k_i . q_t) through the mask [B, T, T] of the keys each query
+    sees: causal, or causal within the query's document segment)."""
     q, k = q * scale ** 0.5, k * scale ** 0.5
-    T = q.shape[1]
-    t = torch.arange(1, T + 1, dtype=q.dtype, device=q.device)[None, :, None, None]
-    kbar, vbar = k.cumsum(1) / t, v.cumsum(1) / t
-    qk = torch.einsum("bthd,bshd->bhts", q, k).tril()
+    B, T = q.shape[:2]
+    if mask is None:
+        mask = torch.ones(T, T, dtype=torch.bool, device=q.device).tril().expand(B, T, T)
+    m = mask.to(q.dtype)
+    t = m.sum(-1)[:, :, None, None]  # keys seen
+    kbar, vbar = torch.einsum("bts,bshd->bthd", m, k) / t, torch.einsum("bts,bshd->bthd", m, v) / t
+    qk = torch.einsum("bthd,bshd->bhts", q, k) * m[:, None]
     mean_vk_q = torch.einsum("bhts,bshd->bthd", qk, v) / t
     return vbar + mean_vk_q - vbar * (kbar * q).sum(-1, keepdim=True)
 
@@ -133,119 +139,140 @@ def plot(errors: dict, path: Path) -> None:
     plt.close(fig)
 
 
-# (b) zero-shot linearization ----------------------------------------------------------------------
+# (b) per-layer error on a trained teacher's own activations -----------------------------------------
 class VaLAAttention(SoftmaxAttention):
-    """Softmax attention's projections with the VaLA core (quadratic-time, evaluation only; not a
-    registered mixer: `with_vala` puts it into a loaded model)."""
+    """Softmax attention's projections with the VaLA core (quadratic-time, no decoding cache; not a registered
+    mixer: `with_core` puts it into a model). With document segments, every mean and sum runs within the
+    token's own segment, t counting from its start."""
 
     def core(self, q, k, v, cache, aux, segments=None):
-        if cache is not None or segments is not None:
-            raise ValueError("vala is an evaluation-only reference core; it keeps no decoding cache and "
-                             "takes no document masking (position_ids)")
+        if cache is not None:
+            raise ValueError("vala is an evaluation-only reference core; it keeps no decoding cache")
         k, v = repeat_heads(k, self.num_heads), repeat_heads(v, self.num_heads)
-        return vala_attention(q.float(), k.float(), v.float(), self.head_dim ** -0.5).to(v.dtype)
+        mask = None if segments is None else segments.attention_mask[:, 0]  # [B, T, T]: same segment, causal
+        return vala_attention(q.float(), k.float(), v.float(), self.head_dim ** -0.5, mask).to(v.dtype)
 
 
-def load_blocks(checkpoint_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train, val) token blocks [N, L] of the data the checkpoint was trained on, rebuilt from its
-    training_config.yaml through the data pipeline (cached, deterministic) with its own tokenizer."""
+def with_core(teacher: DecoderLM, mixer: str, **options) -> DecoderLM:
+    """The teacher with every layer's mixer swapped to `mixer` over the same projections (vala: VaLAAttention),
+    every weight the teacher's (strict)."""
+    if mixer == "vala":
+        model = copy.deepcopy(teacher)
+        for i, block in enumerate(model.layers):
+            vala = VaLAAttention(model.config, i)
+            vala.load_state_dict(block.mixer.state_dict())
+            block.mixer = vala
+        return model
+    config = copy.deepcopy(teacher.config)
+    config.mixer, config.mixer_options = mixer, {mixer: options}
+    model = DecoderLM(config)
+    model.load_state_dict(teacher.state_dict())
+    return model.eval()
+
+
+def val_batches(teacher_dir: Path, sequences: int, batch_size: int) -> list[dict]:
+    """The first `sequences` val sequences of the data the teacher was trained on (rebuilt from its
+    training_config.yaml with its own tokenizer; cached, deterministic), with their document positions."""
     from omegaconf import OmegaConf
 
     from data import build_data
     from training.checkpoint import weights_dir
 
-    folder = weights_dir(checkpoint_dir)
+    folder = weights_dir(teacher_dir)
     cfg = OmegaConf.load(folder / "training_config.yaml")
     data_cfg = OmegaConf.merge(cfg.data, {"tokenizer": str(folder)}) if cfg.data.get("tokenizer") == "bpe" else cfg.data
-    data = build_data(data_cfg, cfg.trainer.seq_len, cfg.seed)
-    return tuple(split.batch(torch.arange(len(split)))["input_ids"] for split in (data.train, data.val))
+    val = build_data(data_cfg, cfg.trainer.seq_len, cfg.seed).val
+    return [val.batch(idx) for idx in torch.arange(min(sequences, len(val))).split(batch_size)]
 
 
-def evaluate(model: DecoderLM, blocks: torch.Tensor, batch_size: int) -> float:
-    """Token-weighted mean loss over the blocks (no document masking: VaLA takes none)."""
-    sums = evaluate_split(model, Split(blocks), batch_size, None, torch.device("cpu"), None)
-    return (sums["loss_sum"] / sums["count"]).item()
+@torch.no_grad()
+def layer_errors(teacher: DecoderLM, models: dict[str, DecoderLM], batches: list[dict]) -> dict[str, list[float]]:
+    """{name: per layer ||y - y_teacher|| / ||y_teacher||}: each model's mixer of layer i run on the teacher's
+    own input to its layer-i attention, against the teacher's attention output (training/linearize.py's
+    transfer error), over all the batches."""
+    from training.linearize import mixer_io
+
+    L = teacher.config.num_hidden_layers
+    sq_err = {name: torch.zeros(L, dtype=torch.float64) for name in models}
+    sq_ref = torch.zeros(L, dtype=torch.float64)
+    for batch in batches:
+        with mixer_io(teacher) as io:
+            teacher(batch["input_ids"], position_ids=batch.get("position_ids"), logits_to_keep=1)
+        for i in range(L):
+            x, segments, y_teacher = io[i]
+            sq_ref[i] += y_teacher.double().pow(2).sum()
+            for name, model in models.items():
+                y = model.layers[i].mixer(x, None, AuxCollector(), segments)
+                sq_err[name][i] += (y.double() - y_teacher.double()).pow(2).sum()
+    return {name: (err / sq_ref).sqrt().tolist() for name, err in sq_err.items()}
 
 
-def swapped(checkpoint: Path, mixer: str, layers: list[int] | None, **mixer_options) -> DecoderLM:
-    original = DecoderLM.from_pretrained(checkpoint).config.layer_mixers
-    chosen = range(len(original)) if layers is None else layers
-    schedule = [mixer if i in chosen else name for i, name in enumerate(original)]
-    model, info = DecoderLM.from_pretrained(checkpoint, mixer=schedule, output_loading_info=True,
-                                            mixer_options={mixer: mixer_options})
-    if info["missing_keys"] or info["unexpected_keys"]:
-        raise ValueError(f"{mixer}: checkpoint does not load cleanly: {info}")
-    return model
+ZERO_SHOT = [("VaLA", "vala", {}), ("linear (elu+1, normalised)", "linear", {}),
+             ("derived GDN (exact)", "derived_gdn", {"clamp_ktil": False}),
+             ("derived GDN (clamp_ktil)", "derived_gdn", {"clamp_ktil": True})]
 
 
-def with_vala(checkpoint: Path, layers: list[int] | None) -> DecoderLM:
-    """The checkpoint with the chosen layers' (default all) mixers replaced by VaLA cores over the same
-    projections, their weights moved over (strict: a softmax layer's parameters exactly)."""
-    model = DecoderLM.from_pretrained(checkpoint)
-    for i in range(len(model.layers)) if layers is None else layers:
-        block = model.layers[i]
-        vala = VaLAAttention(model.config, i)
-        vala.load_state_dict(block.mixer.state_dict())
-        block.mixer = vala
-    return model
+def layer_error_table(args) -> tuple[str, dict[str, list[float]]]:
+    """Zero-shot: every core over the teacher's projections; then each --students run (a linearize run, e.g.
+    after its transfer stage) as trained. Rows: method, columns: layers and their mean."""
+    from training.checkpoint import load_lm
+
+    teacher = load_lm(args.teacher).eval()
+    batches = val_batches(Path(args.teacher), args.sequences, args.batch_size)
+    models = {f"{name}, zero-shot": with_core(teacher, mixer, **options) for name, mixer, options in ZERO_SHOT}
+    for path in args.students or []:
+        models[f"{Path(path).name}, trained"] = load_lm(path).eval()
+    errors = layer_errors(teacher, models, batches)
+    L = teacher.config.num_hidden_layers
+    lines = ["| model | " + " | ".join(f"layer {i}" for i in range(L)) + " | mean |", "|---" * (L + 2) + "|"]
+    lines += [f"| {name} | " + " | ".join(f"{e:.3g}" for e in errs) + f" | {sum(errs) / L:.3g} |"
+              for name, errs in errors.items()]
+    tokens = sum(b["input_ids"].numel() for b in batches)
+    text = (f"Relative error ||y - y_teacher|| / ||y_teacher|| per layer on {tokens} val tokens of {args.teacher} (each layer's mixer "
+            f"on the teacher's own input to its attention):\n\n" + "\n".join(lines))
+    return text, errors
 
 
-def finetune(model: DecoderLM, blocks: torch.Tensor, steps: int, lr: float, batch_size: int) -> None:
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    g = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        ids = blocks[torch.randint(0, len(blocks), (batch_size,), generator=g)]
-        loss = model(ids, labels=ids).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+def plot_layer_errors(table: dict[str, list[float]], path: Path) -> None:
+    import matplotlib
 
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
 
-def linearization_table(args) -> str:
-    from training.checkpoint import weights_dir
-
-    checkpoint = weights_dir(args.checkpoint)
-    train, val = load_blocks(checkpoint)
-    val = val[: args.max_blocks]
-    layers = None if args.layers is None else [int(i) for i in args.layers.split(",")]
-    which = "all layers" if layers is None else f"layers {layers}"
-    rows = [["softmax (checkpoint)", evaluate(DecoderLM.from_pretrained(checkpoint), val, args.batch_size)]]
-    variants = [("derived_gdn (clamp_ktil)", lambda: swapped(checkpoint, "derived_gdn", layers, clamp_ktil=True)),
-                ("derived_gdn (exact)", lambda: swapped(checkpoint, "derived_gdn", layers, clamp_ktil=False)),
-                ("VaLA (same projections)", lambda: with_vala(checkpoint, layers)),
-                ("linear (elu+1, normalised)", lambda: swapped(checkpoint, "linear", layers))]
-    for name, build in variants:
-        rows.append([f"{name}, {which}", evaluate(build(), val, args.batch_size)])
-    if args.finetune_steps:
-        model = swapped(checkpoint, "derived_gdn", layers, clamp_ktil=True)
-        finetune(model, train, args.finetune_steps, args.lr, args.batch_size)
-        rows.append([f"derived_gdn (clamp_ktil), {which}, after {args.finetune_steps} AdamW steps at lr {args.lr}",
-                     evaluate(model, val, args.batch_size)])
-    lines = ["| model | val loss | val ppl |", "|---|---|---|"]
-    lines += [f"| {name} | {loss:.4f} | {math.exp(min(loss, 50)):.2f} |" for name, loss in rows]
-    return f"Zero-shot linearization of {checkpoint} on {tuple(val.shape)} val tokens:\n\n" + "\n".join(lines)
+    L = len(next(iter(table.values())))
+    width = 0.8 / len(table)
+    fig, ax = plt.subplots(figsize=(1.6 * L + 4, 3.8))
+    for j, (name, errs) in enumerate(table.items()):
+        ax.bar([i + (j - (len(table) - 1) / 2) * width for i in range(L)], errs, width, label=name)
+    ax.set(xticks=range(L), xticklabels=[f"layer {i}" for i in range(L)], ylabel="||y - y_teacher|| / ||y_teacher||",
+           title="each mixer on the teacher's own attention input")
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "outputs" / "linearize"))
-    parser.add_argument("--checkpoint", help="a softmax run dir or its final/ HF dir (part b)")
-    parser.add_argument("--layers", help="comma-separated layer indices to swap (default: all)")
-    parser.add_argument("--max-blocks", type=int, default=256, help="validation blocks evaluated")
+    parser.add_argument("--teacher", help="a softmax run dir or HF dir (part b)")
+    parser.add_argument("--students", nargs="*", help="linearize runs (or HF dirs) of that teacher, measured as trained")
+    parser.add_argument("--sequences", type=int, default=64, help="val sequences measured")
     parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--finetune-steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=1e-4)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = "## Approximation error vs exact causal softmax attention\n\n" + approximation_table(out)
-    if args.checkpoint:
-        report += "\n\n## Zero-shot linearization\n\n" + linearization_table(args)
+    if args.teacher:
+        text, table = layer_error_table(args)
+        (out / "layer_errors.md").write_text(text + "\n")
+        plot_layer_errors(table, out / "layer_errors.png")
+        report += "\n\n## Per-layer error on the teacher's activations\n\n" + text
     (out / "report.md").write_text(report + "\n")
     print(report)
-    print(f"\nwrote {out / 'report.md'} and {out / 'approximation_error.png'}")
+    print(f"\nwrote {out / 'report.md'}, {out / 'approximation_error.png'}"
+          + (f", {out / 'layer_errors.png'}" if args.teacher else ""))
 
 
 if __name__ == "__main__":

@@ -268,3 +268,19 @@ def test_a_teacher_that_does_not_fit_is_one_line(tmp_path, tiny_run, data_cache,
                 "no linearized layer": "error: linearize.transfer_steps=2, but every student layer is softmax"}[case]
     assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-2000:]
     assert not run.exists()
+
+
+def test_vala_with_document_segments_equals_vala_on_each_document():
+    """scripts/linearize.py's VaLA core under a packed batch's segment mask: each document's outputs are those
+    of VaLA run on that document alone (its means and t restart at the document's first token)."""
+    from model.layers import DocumentSegments
+    from scripts.linearize import vala_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    pos = torch.cat([torch.arange(10), torch.arange(14)])[None]
+    packed = vala_attention(q, k, v, 0.3, DocumentSegments(pos).attention_mask[:, 0])
+    for part in (slice(0, 10), slice(10, 24)):
+        alone = vala_attention(q[:, part], k[:, part], v[:, part], 0.3)
+        torch.testing.assert_close(packed[:, part], alone, rtol=1e-12, atol=1e-12)
+    assert not torch.allclose(vala_attention(q, k, v, 0.3)[:, 10:], packed[:, 10:])
