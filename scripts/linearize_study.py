@@ -1,0 +1,264 @@
+"""The linearization study (docs/studies/linearize.md): a trained softmax teacher linearized into each student
+architecture by train.py's experiment=linearize, against the same student trained from scratch for as many
+tokens as the whole linearization, and for as many as the teacher. Every run is a train.py run dir under
+--out; one whose final/ exists is not run again (rerun the command to continue a study).
+
+    python scripts/linearize_study.py --teacher outputs/<softmax run> --out outputs/linearize_study \\
+        --students derived_gdn,gdn,linear,hybrid --seeds 0,1 --lrs 3e-4,1e-3,3e-3 --jobs 2
+
+Runs: for each student, seed and --lrs value, experiment=linearize (its stage budgets, or --steps and
+--split); from scratch at each mixer's default lr (or --scratch-lrs) for --steps and for the teacher's
+steps (--no-teacher-tokens skips those); with --splits, the first student at its best lr with other stage
+splits. Overrides after `--` go to every run (e.g. -- trainer.eval_batches=40).
+
+Writes table.md (val bpb, mean (min-max) over seeds: the teacher; each student zero-shot (step 0), after
+each stage and at the end, at its best linearization lr, an lr at the edge of --lrs flagged; from scratch),
+the lr and split tables, and curves.png (val bpb against training tokens).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+from training.metrics import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# student name -> the train.py overrides that make it (gdn: value heads as wide as the teacher's, so that its
+# v and o projections load); the hybrid keeps the teacher's last layer softmax
+STUDENTS = {
+    "derived_gdn": ["mixer=derived_gdn"],
+    "gdn": ["mixer=gdn", "mixer.options.expand_v=1"],
+    "linear": ["mixer=linear"],
+    "hybrid": ["mixer=derived_gdn", "model.mixer=[derived_gdn,derived_gdn,derived_gdn,softmax]"],
+}
+QUIET = ["logger=none", "trainer.sample_tokens=0"]
+
+
+def run_dir(out: Path, kind: str, student: str, seed: int, lr: float | None, extra: str = "") -> Path:
+    return out / f"{kind}_{student}{extra}_lr{'default' if lr is None else f'{lr:g}'}_s{seed}"
+
+
+def val_curve(run: Path) -> dict[int, float]:
+    """{step: val bpb} of a run's evaluations (step 0: before any training)."""
+    return {r["step"]: r["val/bpb"] for r in read_metrics(run) if "val/bpb" in r}
+
+
+def finished(run: Path) -> bool:
+    return (run / "final" / "config.json").exists()
+
+
+def launch(jobs: list[tuple[Path, list[str]]], parallel: int) -> None:
+    """Run the train.py jobs not finished yet, `parallel` at once (each on cpu_count / parallel threads), each
+    logging to <run dir>.log; a failed job is reported and the others go on."""
+    todo = [(d, o) for d, o in jobs if not finished(d)]
+    print(f"{len(jobs) - len(todo)} of {len(jobs)} runs done; running {len(todo)}, {parallel} at once", flush=True)
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // parallel))}
+    running = []
+    while todo or running:
+        while todo and len(running) < parallel:
+            folder, overrides = todo.pop(0)
+            if folder.exists():  # an interrupted run: continue it
+                overrides = overrides + ["resume=auto"]
+            log = open(folder.with_suffix(".log"), "a")
+            cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"run_dir={folder}"]
+            running.append((folder, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env),
+                            time.time(), log))
+        for item in list(running):
+            folder, proc, t0, log = item
+            if proc.poll() is not None:
+                running.remove(item)
+                log.close()
+                status = "ok" if proc.returncode == 0 else f"FAILED ({folder.with_suffix('.log')})"
+                print(f"  {folder.name}: {status} in {time.time() - t0:.0f}s", flush=True)
+        time.sleep(0.5)
+
+
+def spread(values: list[float]) -> str:
+    if not values:
+        return "-"
+    mean = statistics.mean(values)
+    return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ({min(values):.4f}-{max(values):.4f})"
+
+
+def best_lr(out: Path, student: str, lrs: list[float], seeds: list[int]) -> tuple[float, bool]:
+    """The lr whose linearized students end with the lowest mean val bpb over the seeds that finished, and
+    whether it is an end of the grid (then it is not known to be a best)."""
+    means = {}
+    for lr in lrs:
+        ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
+        if ends:
+            means[lr] = statistics.mean(ends)
+    best = min(means, key=means.get)
+    return best, len(lrs) > 1 and best in (min(lrs), max(lrs))
+
+
+def end_bpb(run: Path) -> float:
+    curve = val_curve(run)
+    return curve[max(curve)]
+
+
+def best_scratch_lr(out: Path, student: str, lrs: list, seeds: list[int], steps: int):
+    """The from-scratch lr (None: the mixer's default) with the lowest mean val bpb at the end."""
+    def mean_end(lr):
+        ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, lr))]
+        return statistics.mean(ends) if ends else float("inf")
+
+    return min(lrs, key=mean_end)
+
+
+def stage_scores(run: Path, transfer: int, distill: int) -> dict[str, float | None]:
+    curve = val_curve(run)
+    return {"zero-shot": curve.get(0), "after transfer": curve.get(transfer) if transfer else None,
+            "after distill": curve.get(transfer + distill) if distill else None, "end": end_bpb(run)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--teacher", required=True, help="the softmax run dir (train.py's, with final/ and metrics.jsonl)")
+    p.add_argument("--out", required=True)
+    p.add_argument("--students", default="derived_gdn,gdn,linear,hybrid", help=f"some of {', '.join(STUDENTS)}")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--lrs", default="1e-3", help="linearization lrs (the best is reported)")
+    p.add_argument("--scratch-lrs", help="from-scratch lrs (default: each mixer's own default lr)")
+    p.add_argument("--steps", type=int, help="steps of each linearization (default: experiment=linearize's)")
+    p.add_argument("--split", help="T/D: transfer and distill steps, the rest finetune (default: experiment=linearize's)")
+    p.add_argument("--splits", default="", help="other T/D splits, run for the first student at its best lr")
+    p.add_argument("--no-teacher-tokens", action="store_true", help="skip from-scratch runs at the teacher's tokens")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, each on cpu_count / jobs threads")
+    p.add_argument("extra", nargs="*", help="overrides for every run (after --)")
+    args = p.parse_args()
+
+    teacher, out = Path(args.teacher).resolve(), Path(args.out).resolve()
+    students = args.students.split(",")
+    if unknown := [s for s in students if s not in STUDENTS]:
+        sys.exit(f"error: unknown --students {unknown}; valid: {', '.join(STUDENTS)}")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    lrs = [float(x) for x in args.lrs.split(",")]
+    scratch_lrs = [float(x) for x in args.scratch_lrs.split(",")] if args.scratch_lrs else [None]
+    experiment = OmegaConf.load(ROOT / "configs" / "experiment" / "linearize.yaml")
+    steps = args.steps or experiment.trainer.max_steps
+    transfer, distill = ((int(x) for x in args.split.split("/")) if args.split
+                         else (experiment.linearize.transfer_steps, experiment.linearize.distill_steps))
+    teacher_steps = OmegaConf.load(teacher / "config.yaml").trainer.max_steps
+    out.mkdir(parents=True, exist_ok=True)
+
+    def linearized(student, seed, lr, t=transfer, d=distill, extra=""):
+        overrides = ["experiment=linearize", f"init_from={teacher}", *STUDENTS[student], f"seed={seed}", f"trainer.lr={lr}",
+                     f"trainer.max_steps={steps}", f"linearize.transfer_steps={t}", f"linearize.distill_steps={d}",
+                     *QUIET, *args.extra]
+        return run_dir(out, "lin", student, seed, lr, extra), overrides
+
+    def scratch(student, seed, lr, n):
+        overrides = [*STUDENTS[student], f"seed={seed}", f"trainer.max_steps={n}", *QUIET, *args.extra]
+        overrides += [f"trainer.lr={lr}"] if lr is not None else []
+        return run_dir(out, f"scratch{n}", student, seed, lr), overrides
+
+    jobs = [linearized(st, s, lr) for st in students for s in seeds for lr in lrs]
+    jobs += [scratch(st, s, lr, steps) for st in students for s in seeds for lr in scratch_lrs]
+    if not args.no_teacher_tokens:
+        jobs += [scratch(st, s, None, teacher_steps) for st in students for s in seeds]
+    launch(jobs, args.jobs)
+    splits = [tuple(int(x) for x in sp.split("/")) for sp in args.splits.split(",") if sp]
+    if splits:  # at the first student's best lr, which the runs above found
+        lr, _ = best_lr(out, students[0], lrs, seeds)
+        launch([linearized(students[0], s, lr, t, d, f"_split{t}-{d}") for t, d in splits for s in seeds], args.jobs)
+
+    report = report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
+                           splits, args.no_teacher_tokens)
+    (out / "table.md").write_text(report + "\n")
+    print(report)
+    plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_steps, out / "curves.png")
+    print(f"\nwrote {out / 'table.md'} and {out / 'curves.png'}")
+
+
+def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
+                  splits, no_teacher_tokens) -> str:
+    teacher_bpb = val_curve(teacher)[max(val_curve(teacher))]
+    finetune = steps - transfer - distill
+    lines = [f"Teacher: {teacher} ({teacher_steps} steps), val bpb {teacher_bpb:.4f}. Each linearization: {steps} steps "
+             f"({100 * steps / teacher_steps:.0f}% of the teacher's tokens): transfer {transfer}, distill {distill}, "
+             f"finetune {finetune}. Val bpb, mean (min-max) over seeds {seeds}.", "",
+             "| student | lr | zero-shot | after transfer | after distill | linearized | gap to teacher | "
+             f"scratch, {steps} steps | scratch, {teacher_steps} steps |", "|---" * 9 + "|"]
+    lr_rows = []
+    for student in students:
+        lr, edge = best_lr(out, student, lrs, seeds)
+        runs = [d for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
+        scores = [stage_scores(d, transfer, distill) for d in runs]
+        col = {k: spread([sc[k] for sc in scores if sc[k] is not None]) for k in scores[0]}
+        gap = spread([sc["end"] - teacher_bpb for sc in scores])
+        scratch_lr = best_scratch_lr(out, student, scratch_lrs, seeds, steps)
+        equal = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, scratch_lr))]
+        long = [] if no_teacher_tokens else [end_bpb(d) for s in seeds
+                                             if finished(d := run_dir(out, f"scratch{teacher_steps}", student, s, None))]
+        shown_lr = f"{lr:g}" + (" (edge of grid)" if edge else "")
+        lines.append(f"| {student} | {shown_lr} | {col['zero-shot']} | {col['after transfer']} | {col['after distill']} | "
+                     f"{col['end']} | {gap} | {spread(equal)} | {spread(long)} |")
+        for x in lrs:
+            ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, x))]
+            lr_rows.append(f"| {student} | {x:g} | {spread(ends)} |")
+    lines += ["", "Linearization at each lr (val bpb at the end):", "", "| student | lr | val bpb |", "|---|---|---|", *lr_rows]
+    if splits:
+        lr, _ = best_lr(out, students[0], lrs, seeds)
+        lines += ["", f"Stage splits of {students[0]} at lr {lr:g} ({steps} steps each):", "",
+                  "| transfer / distill / finetune | after transfer | after distill | end |", "|---|---|---|---|"]
+        for t, d in [(transfer, distill), *splits]:
+            extra = "" if (t, d) == (transfer, distill) else f"_split{t}-{d}"
+            scores = [stage_scores(r, t, d) for s in seeds if finished(r := run_dir(out, "lin", students[0], s, lr, extra))]
+            col = {k: spread([sc[k] for sc in scores if sc[k] is not None]) for k in ("after transfer", "after distill", "end")}
+            lines.append(f"| {t} / {d} / {steps - t - d} | {col['after transfer']} | {col['after distill']} | {col['end']} |")
+    return "\n".join(lines)
+
+
+def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_steps, path: Path) -> None:
+    """Per student: val bpb against training tokens (seed means) of the linearization (its tokens on top of the
+    teacher's), of from-scratch training and of the teacher."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens_per_step = json.loads((teacher / "run_info.json").read_text())["seq_len"] * OmegaConf.load(
+        teacher / "config.yaml").trainer.batch_size
+
+    def mean_curve(dirs):
+        curves = [val_curve(d) for d in dirs if finished(d)]
+        if not curves:
+            return [], []
+        common = sorted(set.intersection(*(set(c) for c in curves)))
+        return [s * tokens_per_step for s in common], [statistics.mean(c[s] for c in curves) for s in common]
+
+    fig, axes = plt.subplots(1, len(students), figsize=(4.2 * len(students), 3.6), sharey=True, squeeze=False)
+    t_curve = val_curve(teacher)
+    shown = [min(t_curve.values())]  # the values the y range must show: every curve's end, the linearized starts
+    for ax, student in zip(axes[0], students):
+        lr, _ = best_lr(out, student, lrs, seeds)
+        ax.plot([s * tokens_per_step for s in t_curve], list(t_curve.values()), color="black", label="teacher (softmax)")
+        x, y = mean_curve([run_dir(out, "lin", student, s, lr) for s in seeds])
+        ax.plot([teacher_steps * tokens_per_step + v for v in x], y, marker=".", label=f"linearized (lr {lr:g})")
+        shown += y
+        for n, style in ((steps, "--"), (teacher_steps, ":")):
+            grid = scratch_lrs if n == steps else [None]  # at the teacher's tokens: the default lr only
+            x, y = mean_curve([run_dir(out, f"scratch{n}", student, s, best_scratch_lr(out, student, grid, seeds, n))
+                               for s in seeds])
+            ax.plot(x, y, style, label=f"{student} from scratch, {n} steps")
+            shown += y[-1:]
+        ax.set(title=student, xlabel="training tokens (linearized: after the teacher's)", xscale="log")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    axes[0][0].set_ylabel("val bits per byte")
+    axes[0][0].set_ylim(min(shown) - 0.05, max(shown) + 0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
