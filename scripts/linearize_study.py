@@ -6,10 +6,11 @@ tokens as the whole linearization, and for as many as the teacher. Every run is 
     python scripts/linearize_study.py --teacher outputs/<softmax run> --out outputs/linearize_study \\
         --students derived_gdn,gdn,linear,hybrid --seeds 0,1 --lrs 3e-4,1e-3,3e-3 --jobs 2
 
-Runs: for each student, seed and --lrs value, experiment=linearize (its stage budgets, or --steps and
---split); from scratch at each mixer's default lr (or --scratch-lrs) for --steps and for the teacher's
-steps (--no-teacher-tokens skips those); with --splits, the first student at its best lr with other stage
-splits. Overrides after `--` go to every run (e.g. -- trainer.eval_batches=40).
+Runs: for each student, experiment=linearize (its stage budgets, or --steps and --split) at every --lrs value,
+and from scratch for --steps at every --scratch-lr-factors multiple of the mixer's default lr, on the first
+seed; the other seeds at the first seed's best lrs; from scratch for the teacher's steps at the default lr
+(--no-teacher-tokens skips those); with --splits, the first student at its best lr with other stage splits.
+Overrides after `--` go to every run (e.g. -- trainer.eval_batches=40).
 
 Writes table.md (val bpb, mean (min-max) over seeds: the teacher; each student zero-shot (step 0), after
 each stage and at the end, at its best linearization lr, an lr at the edge of --lrs flagged; from scratch),
@@ -31,23 +32,35 @@ from training.metrics import read_metrics
 ROOT = Path(__file__).resolve().parents[1]
 
 # student name -> the train.py overrides that make it (gdn: value heads as wide as the teacher's, so that its
-# v and o projections load); the hybrid keeps the teacher's last layer softmax
+# v and o projections load); the hybrid keeps softmax in layer 1, the layer whose attention derived GDN fits worst
+# zero-shot (scripts/linearize.py --teacher, docs/studies/linearize.md)
 STUDENTS = {
     "derived_gdn": ["mixer=derived_gdn"],
     "gdn": ["mixer=gdn", "mixer.options.expand_v=1"],
     "linear": ["mixer=linear"],
-    "hybrid": ["mixer=derived_gdn", "model.mixer=[derived_gdn,derived_gdn,derived_gdn,softmax]"],
+    "hybrid": ["mixer=derived_gdn", "model.mixer=[derived_gdn,softmax,derived_gdn,derived_gdn]"],
 }
 QUIET = ["logger=none", "trainer.sample_tokens=0"]
 
 
-def run_dir(out: Path, kind: str, student: str, seed: int, lr: float | None, extra: str = "") -> Path:
-    return out / f"{kind}_{student}{extra}_lr{'default' if lr is None else f'{lr:g}'}_s{seed}"
+def run_dir(out: Path, kind: str, student: str, seed: int, lr: float, extra: str = "") -> Path:
+    return out / f"{kind}_{student}{extra}_lr{lr:g}_s{seed}"
+
+
+def default_lr(student: str, extra: list[str]) -> float:
+    """trainer.lr of the student's train.py config: its mixer's tuned lr for the optimizer."""
+    from scripts.sweep import compose
+
+    return float(compose([*STUDENTS[student], *extra]).trainer.lr)
 
 
 def val_curve(run: Path) -> dict[int, float]:
     """{step: val bpb} of a run's evaluations (step 0: before any training)."""
     return {r["step"]: r["val/bpb"] for r in read_metrics(run) if "val/bpb" in r}
+
+
+def log_path(run: Path) -> Path:
+    return run.parent / f"{run.name}.log"
 
 
 def finished(run: Path) -> bool:
@@ -66,7 +79,7 @@ def launch(jobs: list[tuple[Path, list[str]]], parallel: int) -> None:
             folder, overrides = todo.pop(0)
             if folder.exists():  # an interrupted run: continue it
                 overrides = overrides + ["resume=auto"]
-            log = open(folder.with_suffix(".log"), "a")
+            log = open(log_path(folder), "a")
             cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"run_dir={folder}"]
             running.append((folder, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env),
                             time.time(), log))
@@ -75,7 +88,7 @@ def launch(jobs: list[tuple[Path, list[str]]], parallel: int) -> None:
             if proc.poll() is not None:
                 running.remove(item)
                 log.close()
-                status = "ok" if proc.returncode == 0 else f"FAILED ({folder.with_suffix('.log')})"
+                status = "ok" if proc.returncode == 0 else f"FAILED ({log_path(folder)})"
                 print(f"  {folder.name}: {status} in {time.time() - t0:.0f}s", flush=True)
         time.sleep(0.5)
 
@@ -88,7 +101,7 @@ def spread(values: list[float]) -> str:
 
 
 def best_lr(out: Path, student: str, lrs: list[float], seeds: list[int]) -> tuple[float, bool]:
-    """The lr whose linearized students end with the lowest mean val bpb over the seeds that finished, and
+    """The lr whose linearized students end with the lowest mean val bpb over `seeds` (those finished), and
     whether it is an end of the grid (then it is not known to be a best)."""
     means = {}
     for lr in lrs:
@@ -105,7 +118,7 @@ def end_bpb(run: Path) -> float:
 
 
 def best_scratch_lr(out: Path, student: str, lrs: list, seeds: list[int], steps: int):
-    """The from-scratch lr (None: the mixer's default) with the lowest mean val bpb at the end."""
+    """The from-scratch lr with the lowest mean val bpb at the end."""
     def mean_end(lr):
         ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, lr))]
         return statistics.mean(ends) if ends else float("inf")
@@ -126,7 +139,7 @@ def main() -> None:
     p.add_argument("--students", default="derived_gdn,gdn,linear,hybrid", help=f"some of {', '.join(STUDENTS)}")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--lrs", default="1e-3", help="linearization lrs (the best is reported)")
-    p.add_argument("--scratch-lrs", help="from-scratch lrs (default: each mixer's own default lr)")
+    p.add_argument("--scratch-lr-factors", default="1", help="from-scratch lrs, as factors of each student's default lr")
     p.add_argument("--steps", type=int, help="steps of each linearization (default: experiment=linearize's)")
     p.add_argument("--split", help="T/D: transfer and distill steps, the rest finetune (default: experiment=linearize's)")
     p.add_argument("--splits", default="", help="other T/D splits, run for the first student at its best lr")
@@ -141,7 +154,7 @@ def main() -> None:
         sys.exit(f"error: unknown --students {unknown}; valid: {', '.join(STUDENTS)}")
     seeds = [int(s) for s in args.seeds.split(",")]
     lrs = [float(x) for x in args.lrs.split(",")]
-    scratch_lrs = [float(x) for x in args.scratch_lrs.split(",")] if args.scratch_lrs else [None]
+    factors = [float(x) for x in args.scratch_lr_factors.split(",")]
     experiment = OmegaConf.load(ROOT / "configs" / "experiment" / "linearize.yaml")
     steps = args.steps or experiment.trainer.max_steps
     transfer, distill = ((int(x) for x in args.split.split("/")) if args.split
@@ -156,57 +169,63 @@ def main() -> None:
         return run_dir(out, "lin", student, seed, lr, extra), overrides
 
     def scratch(student, seed, lr, n):
-        overrides = [*STUDENTS[student], f"seed={seed}", f"trainer.max_steps={n}", *QUIET, *args.extra]
-        overrides += [f"trainer.lr={lr}"] if lr is not None else []
+        overrides = [*STUDENTS[student], f"seed={seed}", f"trainer.max_steps={n}", f"trainer.lr={lr}", *QUIET, *args.extra]
         return run_dir(out, f"scratch{n}", student, seed, lr), overrides
 
-    jobs = [linearized(st, s, lr) for st in students for s in seeds for lr in lrs]
-    jobs += [scratch(st, s, lr, steps) for st in students for s in seeds for lr in scratch_lrs]
+    scratch_lrs = {st: [f * default_lr(st, args.extra) for f in factors] for st in students}
+    # the lr grids on the first seed; the other seeds at its best lr
+    launch([linearized(st, seeds[0], lr) for st in students for lr in lrs]
+           + [scratch(st, seeds[0], lr, steps) for st in students for lr in scratch_lrs[st]], args.jobs)
+    launch([linearized(st, s, best_lr(out, st, lrs, seeds[:1])[0]) for st in students for s in seeds[1:]]
+           + [scratch(st, s, best_scratch_lr(out, st, scratch_lrs[st], seeds[:1], steps), steps)
+              for st in students for s in seeds[1:]], args.jobs)
     if not args.no_teacher_tokens:
-        jobs += [scratch(st, s, None, teacher_steps) for st in students for s in seeds]
-    launch(jobs, args.jobs)
+        launch([scratch(st, s, default_lr(st, args.extra), teacher_steps) for st in students for s in seeds], args.jobs)
     splits = [tuple(int(x) for x in sp.split("/")) for sp in args.splits.split(",") if sp]
     if splits:  # at the first student's best lr, which the runs above found
-        lr, _ = best_lr(out, students[0], lrs, seeds)
+        lr, _ = best_lr(out, students[0], lrs, seeds[:1])
         launch([linearized(students[0], s, lr, t, d, f"_split{t}-{d}") for t, d in splits for s in seeds], args.jobs)
 
     report = report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
-                           splits, args.no_teacher_tokens)
+                           splits, args.no_teacher_tokens, args.extra)
     (out / "table.md").write_text(report + "\n")
     print(report)
-    plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_steps, out / "curves.png")
+    plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_steps, args.extra, out / "curves.png")
     print(f"\nwrote {out / 'table.md'} and {out / 'curves.png'}")
 
 
 def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
-                  splits, no_teacher_tokens) -> str:
+                  splits, no_teacher_tokens, extra) -> str:
     teacher_bpb = val_curve(teacher)[max(val_curve(teacher))]
     finetune = steps - transfer - distill
     lines = [f"Teacher: {teacher} ({teacher_steps} steps), val bpb {teacher_bpb:.4f}. Each linearization: {steps} steps "
              f"({100 * steps / teacher_steps:.0f}% of the teacher's tokens): transfer {transfer}, distill {distill}, "
-             f"finetune {finetune}. Val bpb, mean (min-max) over seeds {seeds}.", "",
+             f"finetune {finetune}. Val bpb, mean (min-max) over seeds {seeds}, each at the lr that was best on seed {seeds[0]}.", "",
              "| student | lr | zero-shot | after transfer | after distill | linearized | gap to teacher | "
-             f"scratch, {steps} steps | scratch, {teacher_steps} steps |", "|---" * 9 + "|"]
+             f"scratch, {steps} steps (lr) | scratch, {teacher_steps} steps |", "|---" * 9 + "|"]
     lr_rows = []
     for student in students:
-        lr, edge = best_lr(out, student, lrs, seeds)
+        lr, edge = best_lr(out, student, lrs, seeds[:1])  # chosen on the grid's seed
         runs = [d for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
         scores = [stage_scores(d, transfer, distill) for d in runs]
         col = {k: spread([sc[k] for sc in scores if sc[k] is not None]) for k in scores[0]}
         gap = spread([sc["end"] - teacher_bpb for sc in scores])
-        scratch_lr = best_scratch_lr(out, student, scratch_lrs, seeds, steps)
+        scratch_lr = best_scratch_lr(out, student, scratch_lrs[student], seeds[:1], steps)
         equal = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, scratch_lr))]
         long = [] if no_teacher_tokens else [end_bpb(d) for s in seeds
-                                             if finished(d := run_dir(out, f"scratch{teacher_steps}", student, s, None))]
+                                             if finished(d := run_dir(out, f"scratch{teacher_steps}", student, s,
+                                                                      default_lr(student, extra)))]
         shown_lr = f"{lr:g}" + (" (edge of grid)" if edge else "")
+        grid = scratch_lrs[student]
+        scratch_edge = " (edge of grid)" if len(grid) > 1 and scratch_lr in (min(grid), max(grid)) else ""
         lines.append(f"| {student} | {shown_lr} | {col['zero-shot']} | {col['after transfer']} | {col['after distill']} | "
-                     f"{col['end']} | {gap} | {spread(equal)} | {spread(long)} |")
+                     f"{col['end']} | {gap} | {spread(equal)} ({scratch_lr:g}{scratch_edge}) | {spread(long)} |")
         for x in lrs:
             ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, x))]
             lr_rows.append(f"| {student} | {x:g} | {spread(ends)} |")
     lines += ["", "Linearization at each lr (val bpb at the end):", "", "| student | lr | val bpb |", "|---|---|---|", *lr_rows]
     if splits:
-        lr, _ = best_lr(out, students[0], lrs, seeds)
+        lr, _ = best_lr(out, students[0], lrs, seeds[:1])
         lines += ["", f"Stage splits of {students[0]} at lr {lr:g} ({steps} steps each):", "",
                   "| transfer / distill / finetune | after transfer | after distill | end |", "|---|---|---|---|"]
         for t, d in [(transfer, distill), *splits]:
@@ -217,7 +236,7 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
     return "\n".join(lines)
 
 
-def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_steps, path: Path) -> None:
+def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_steps, extra, path: Path) -> None:
     """Per student: val bpb against training tokens (seed means) of the linearization (its tokens on top of the
     teacher's), of from-scratch training and of the teacher."""
     import matplotlib
@@ -239,14 +258,14 @@ def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_
     t_curve = val_curve(teacher)
     shown = [min(t_curve.values())]  # the values the y range must show: every curve's end, the linearized starts
     for ax, student in zip(axes[0], students):
-        lr, _ = best_lr(out, student, lrs, seeds)
+        lr, _ = best_lr(out, student, lrs, seeds[:1])
         ax.plot([s * tokens_per_step for s in t_curve], list(t_curve.values()), color="black", label="teacher (softmax)")
         x, y = mean_curve([run_dir(out, "lin", student, s, lr) for s in seeds])
         ax.plot([teacher_steps * tokens_per_step + v for v in x], y, marker=".", label=f"linearized (lr {lr:g})")
         shown += y
         for n, style in ((steps, "--"), (teacher_steps, ":")):
-            grid = scratch_lrs if n == steps else [None]  # at the teacher's tokens: the default lr only
-            x, y = mean_curve([run_dir(out, f"scratch{n}", student, s, best_scratch_lr(out, student, grid, seeds, n))
+            grid = scratch_lrs[student] if n == steps else [default_lr(student, extra)]  # teacher's tokens: default lr
+            x, y = mean_curve([run_dir(out, f"scratch{n}", student, s, best_scratch_lr(out, student, grid, seeds[:1], n))
                                for s in seeds])
             ax.plot(x, y, style, label=f"{student} from scratch, {n} steps")
             shown += y[-1:]

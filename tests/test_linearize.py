@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from conftest import ROOT, TINY, run_train
 from model import DecoderLM, LMConfig
 from training.checkpoint import load_matching_weights
-from training.linearize import Linearization, distill_kl, teacher_state_for
+from training.linearize import Linearization, distill_kl, load_teacher, teacher_state_for
 from training.metrics import read_metrics
 
 SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -97,8 +97,8 @@ def test_softmax_student_has_zero_transfer_loss_and_kl_and_a_linearized_one_does
     mixer input equals the teacher's exactly (transfer loss 0, both losses), the logits too (KL 0); a
     derived_gdn student's are not (the check can fail)."""
     source = teacher()
-    for loss in ("mse", "relative"):
-        lin, _ = student_of(source, "softmax", OmegaConf.merge(LINEARIZE, {"transfer_loss": loss}))
+    for loss in ("mse", "relative"):  # (no transfer steps: a softmax student has nothing to transfer in a run)
+        lin, _ = student_of(source, "softmax", OmegaConf.merge(LINEARIZE, {"transfer_loss": loss, "transfer_steps": 0}))
         lin.set_stage("transfer")
         out = lin(**batch())
         assert out.loss.item() == 0.0 and out.aux_metrics["linearize/transfer/loss"].item() == 0.0
@@ -248,26 +248,32 @@ def test_a_stage_boundary_survives_sigterm_and_resume(tmp_path, tiny_run, data_c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["not softmax", "wrong shape", "no linearized layer"])
-def test_a_teacher_that_does_not_fit_is_one_line(tmp_path, tiny_run, data_cache, case):
-    """A gdn teacher, a student narrower than the teacher, a softmax student with a transfer stage: one line on
-    stderr naming init_from or the stage, and no run dir."""
-    teacher_dir, _ = tiny_run
-    overrides = {"not softmax": [], "wrong shape": ["model.hidden_size=32"], "no linearized layer": ["mixer=softmax"]}[case]
-    if case == "not softmax":
-        gdn = DecoderLM(LMConfig.from_pretrained(teacher_dir / "final", mixer="gdn"))
-        teacher_dir = tmp_path / "gdn_teacher"
-        gdn.save_pretrained(teacher_dir)
+def test_a_teacher_that_is_not_softmax_is_one_line(tmp_path, tiny_run, data_cache):
+    """train.py with a gdn model as the teacher: one line on stderr, and no run dir."""
+    teacher_dir = tmp_path / "gdn_teacher"
+    DecoderLM(LMConfig.from_pretrained(tiny_run[0] / "final", mixer="gdn")).save_pretrained(teacher_dir)
     run = tmp_path / "run"
-    proc = run_train(run, "mixer=derived_gdn", f"init_from={teacher_dir}", "linearize.transfer_steps=2", *overrides,
-                     check=False, cache=data_cache)
-    lines = proc.stderr.strip().splitlines()
-    expected = {"not softmax": f"error: init_from={teacher_dir}: the teacher's layers are ['gdn', 'gdn']; valid: a softmax model",
-                "wrong shape": f"error: init_from={teacher_dir}: the teacher has hidden_size=64 (student 32), head_dim=16 (student 8); valid: a "
-                               "student of the teacher's shape",
-                "no linearized layer": "error: linearize.transfer_steps=2, but every student layer is softmax"}[case]
-    assert proc.returncode == 1 and len(lines) == 1 and lines[0].startswith(expected), proc.stderr[-2000:]
+    proc = run_train(run, "mixer=derived_gdn", f"init_from={teacher_dir}", "linearize.transfer_steps=2", check=False,
+                     cache=data_cache)
+    assert proc.returncode == 1 and proc.stderr.strip() == (
+        f"error: init_from={teacher_dir}: the teacher's layers are ['gdn', 'gdn']; valid: a softmax model (every layer "
+        "softmax), whose attention the student linearizes"), proc.stderr[-2000:]
     assert not run.exists()
+
+
+def test_a_teacher_of_another_shape_or_nothing_to_transfer_is_one_line(tmp_path):
+    """A student narrower than the teacher; a transfer stage with every student layer softmax: one line each."""
+    teacher().save_pretrained(tmp_path / "teacher")
+    narrow = LMConfig(**{**SHAPE, "hidden_size": 16})
+    with pytest.raises(ValueError) as e:
+        load_teacher(str(tmp_path / "teacher"), narrow)
+    assert str(e.value) == (f"init_from={tmp_path / 'teacher'}: the teacher has hidden_size=32 (student 16), head_dim=8 "
+                            "(student 4); valid: a student of the teacher's shape (its model.* keys, data.vocab_size and "
+                            "the tokenizer it was trained with)")
+    with pytest.raises(ValueError) as e:
+        student_of(teacher(), "softmax")
+    assert str(e.value).startswith("linearize.transfer_steps=2, but every student layer is softmax, as the teacher's; "
+                                   "valid: 0, or a student with other mixers") and "\n" not in str(e.value)
 
 
 def test_vala_with_document_segments_equals_vala_on_each_document():

@@ -61,6 +61,28 @@ def test_linearize_both_parts(tmp_path, softmax_run, monkeypatch):
     assert (tmp_path / "layer_errors.png").stat().st_size > 0
 
 
+def test_linearize_study(tmp_path, softmax_run, data_cache):
+    """The tiny softmax run linearized into derived GDN at two lrs (2 steps: transfer 1, distill 1) beside derived
+    GDN from scratch for 2 steps: the table's row holds the teacher's val bpb gap, the zero-shot score of step 0
+    (the same at both lrs: nothing trained yet), a best lr flagged as the grid's edge, and the curves plot."""
+    overrides = [o for o in TINY_MODEL if o != "logger=none"] + ["trainer.seq_len=64", "trainer.batch_size=4",
+                                                                   "trainer.warmup_steps=1", "trainer.eval_batches=2"]
+    proc = subprocess.run([sys.executable, "scripts/linearize_study.py", "--teacher", str(softmax_run), "--out",
+                           str(tmp_path), "--students", "derived_gdn", "--seeds", "0", "--lrs", "1e-3,3e-3", "--steps", "2",
+                           "--split", "1/1", "--no-teacher-tokens", "--", *overrides], cwd=ROOT, capture_output=True,
+                          text=True, env={**os.environ, "SWAPLM_CACHE": str(data_cache)}, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "running 3" in proc.stdout and "FAILED" not in proc.stdout
+    (row,) = [r for r in table_rows((tmp_path / "table.md").read_text()) if r[0] == "derived_gdn"][:1]
+    assert "(edge of grid)" in row[1]
+    zero_shot = [json.loads(l)["val/bpb"] for lr in ("0.001", "0.003")
+                 for l in (tmp_path / f"lin_derived_gdn_lr{lr}_s0" / "metrics.jsonl").read_text().splitlines()
+                 if json.loads(l)["step"] == 0 and "val/bpb" in json.loads(l)]
+    assert len(zero_shot) == 2 and zero_shot[0] == zero_shot[1] and row[2] == f"{zero_shot[0]:.4f}"
+    assert all(math.isfinite(float(c.split()[0])) for c in row[2:8]), row
+    assert (tmp_path / "curves.png").stat().st_size > 0
+
+
 def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache):
     """From the tiny softmax run: the four train.py stages at seq_len 128 (DSA's default top-k 64 is
     below it), init_from loading every matching weight (the indexer new), and the summary: the stages

@@ -132,6 +132,10 @@ class Linearization(nn.Module):
         self.lc = lc
         self.stage = None
         self.linearized = [i for i, kind in enumerate(student.config.layer_mixers) if kind != TEACHER_MIXER]
+        if lc.transfer_steps and not self.linearized:
+            raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, but every student layer is {TEACHER_MIXER}, "
+                             "as the teacher's; valid: 0, or a student with other mixers (mixer=derived_gdn, or "
+                             "'model.mixer=[...]')")
         self.trainable = {name for name, p in student.named_parameters() if p.requires_grad}
         self.transfer_parameters, self.fallback_layers = self.pick_transfer_parameters(new_parameters)
 

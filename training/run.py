@@ -101,10 +101,6 @@ def setup(cfg: DictConfig) -> Run:
     linearization = None
     if teacher is not None:
         linearization = linearize.Linearization(lm, teacher.to(state.device), lc, report["new"])
-        if lc.transfer_steps and not linearization.linearized:
-            raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, but every student layer is "
-                             f"{linearize.TEACHER_MIXER}, as the teacher's; valid: 0, or a student with other mixers "
-                             "(mixer=derived_gdn, or 'model.mixer=[...]')")
     # DDP searches the graph for parameters without gradients only where some can have none (the linearize
     # stages train different sets).
     find_unused = lm.leaves_parameters_unused() or bool(tc.trainable) or linearization is not None
