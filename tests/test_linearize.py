@@ -107,6 +107,15 @@ def test_softmax_student_has_zero_transfer_loss_and_kl_and_a_linearized_one_does
     out = lin(**batch())
     assert out.aux_metrics["linearize/distill/kl"].item() == 0.0 and out.loss.item() == 0.0
 
+    # each layer is fit on the teacher's hidden states, not the student's own: a student whose layer-0 FFN differs
+    # still matches the teacher's attention exactly in every layer, while its logits do not
+    with torch.no_grad():
+        lin.student.layers[0].ffn.down_proj.weight.mul_(2)
+    lin.set_stage("transfer")
+    assert lin(**batch()).loss.item() == 0.0
+    lin.set_stage("distill")
+    assert lin(**batch()).aux_metrics["linearize/distill/kl"].item() > 1e-6
+
     linearized, _ = student_of(source, "derived_gdn")
     linearized.set_stage("transfer")
     out = linearized(**batch())
