@@ -186,15 +186,18 @@ def val_batches(teacher_dir: Path, sequences: int, batch_size: int) -> list[dict
 
 
 @torch.no_grad()
-def layer_errors(teacher: DecoderLM, models: dict[str, DecoderLM], batches: list[dict]) -> dict[str, list[float]]:
-    """{name: per layer ||y - y_teacher|| / ||y_teacher||}: each model's mixer of layer i run on the teacher's
-    own input to its layer-i attention, against the teacher's attention output (training/linearize.py's
-    transfer error), over all the batches."""
+@torch.no_grad()
+def layer_errors(teacher: DecoderLM, models: dict[str, DecoderLM], batches: list[dict]) -> tuple[dict, list[float]]:
+    """({name: per layer ||y - y_teacher|| / ||y_teacher||}, per layer the std of the teacher's attention logits
+    q.k / sqrt(d) over the pairs it attends): each model's mixer of layer i run on the teacher's own input to its
+    layer-i attention, against the teacher's attention output (training/linearize.py's transfer error), over all
+    the batches. The logit std is part (a)'s logit scale s for unit-variance q and k."""
     from training.linearize import mixer_io
 
     L = teacher.config.num_hidden_layers
     sq_err = {name: torch.zeros(L, dtype=torch.float64) for name in models}
     sq_ref = torch.zeros(L, dtype=torch.float64)
+    logits = [[] for _ in range(L)]
     for batch in batches:
         with mixer_io(teacher) as io:
             teacher(batch["input_ids"], position_ids=batch.get("position_ids"), logits_to_keep=1)
@@ -204,7 +207,16 @@ def layer_errors(teacher: DecoderLM, models: dict[str, DecoderLM], batches: list
             for name, model in models.items():
                 y = model.layers[i].mixer(x, None, AuxCollector(), segments)
                 sq_err[name][i] += (y.double() - y_teacher.double()).pow(2).sum()
-    return {name: (err / sq_ref).sqrt().tolist() for name, err in sq_err.items()}
+            attention = teacher.layers[i].mixer
+            q, k, _ = attention.project(x, 0, None if segments is None else segments.position_ids)
+            k = repeat_heads(k, attention.num_heads)
+            scores = torch.einsum("bthd,bshd->bhts", q, k) * attention.head_dim ** -0.5
+            T = x.shape[1]
+            seen = (torch.ones(T, T, dtype=torch.bool).tril()[None] if segments is None
+                    else segments.attention_mask[:, 0])[:, None].expand_as(scores)
+            logits[i].append(scores[seen].double())
+    return ({name: (err / sq_ref).sqrt().tolist() for name, err in sq_err.items()},
+            [torch.cat(values).std().item() for values in logits])
 
 
 ZERO_SHOT = [("VaLA", "vala", {}), ("linear (elu+1, normalised)", "linear", {}),
@@ -222,9 +234,11 @@ def layer_error_table(args) -> tuple[str, dict[str, list[float]]]:
     models = {f"{name}, zero-shot": with_core(teacher, mixer, **options) for name, mixer, options in ZERO_SHOT}
     for path in args.students or []:
         models[f"{Path(path).name}, trained"] = load_lm(path).eval()
-    errors = layer_errors(teacher, models, batches)
+    errors, logit_std = layer_errors(teacher, models, batches)
     L = teacher.config.num_hidden_layers
-    lines = ["| model | " + " | ".join(f"layer {i}" for i in range(L)) + " | mean |", "|---" * (L + 2) + "|"]
+    lines = ["| model | " + " | ".join(f"layer {i}" for i in range(L)) + " | mean |", "|---" * (L + 2) + "|",
+             "| (the teacher's attention logits q.k / sqrt(d): std) | " + " | ".join(f"{v:.3g}" for v in logit_std)
+             + f" | {sum(logit_std) / L:.3g} |"]
     lines += [f"| {name} | " + " | ".join(f"{e:.3g}" for e in errs) + f" | {sum(errs) / L:.3g} |"
               for name, errs in errors.items()]
     tokens = sum(b["input_ids"].numel() for b in batches)

@@ -54,7 +54,8 @@ def test_linearize_both_parts(tmp_path, softmax_run, monkeypatch):
         errors = torch.tensor([[float(c) for c in r[2:]] for r in rows[6 * kind: 6 * kind + 6]])
         assert torch.isfinite(errors).all() and (errors.diff(dim=0) > 0).all(), rows
     assert (tmp_path / "approximation_error.png").stat().st_size > 0
-    rows = table_rows(layers)[1:]
+    logit_std, *rows = table_rows(layers)[1:]
+    assert logit_std[0].startswith("(the teacher's attention logits") and all(0 < float(c) < 100 for c in logit_std[1:])
     assert [r[0] for r in rows] == [f"{name}, zero-shot" for name, _, _ in linearize.ZERO_SHOT] + ["run, trained"]
     assert all(0 < float(c) < 10 for r in rows[:-1] for c in r[1:]), rows
     assert rows[-1][1:] == ["0"] * 3, rows  # 2 layers and their mean
