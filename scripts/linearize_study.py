@@ -100,15 +100,15 @@ def spread(values: list[float]) -> str:
     return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ({min(values):.4f}-{max(values):.4f})"
 
 
-def best_lr(out: Path, student: str, lrs: list[float], seeds: list[int]) -> tuple[float, bool]:
-    """The lr whose linearized students end with the lowest mean val bpb over `seeds` (those finished), and
-    whether it is an end of the grid (then it is not known to be a best)."""
+def best_lr(out: Path, student: str, lrs: list[float], seeds: list[int]) -> tuple[float | None, bool]:
+    """The lr whose linearized students end with the lowest mean val bpb over `seeds` (those finished; None if
+    none did), and whether it is an end of the grid (then it is not known to be a best)."""
     means = {}
     for lr in lrs:
         ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
         if ends:
             means[lr] = statistics.mean(ends)
-    best = min(means, key=means.get)
+    best = min(means, key=means.get, default=None)
     return best, len(lrs) > 1 and best in (min(lrs), max(lrs))
 
 
@@ -179,12 +179,12 @@ def main() -> None:
     launch([linearized(st, s, best_lr(out, st, lrs, seeds[:1])[0]) for st in students for s in seeds[1:]]
            + [scratch(st, s, best_scratch_lr(out, st, scratch_lrs[st], seeds[:1], steps), steps)
               for st in students for s in seeds[1:]], args.jobs)
-    if not args.no_teacher_tokens:
-        launch([scratch(st, s, default_lr(st, args.extra), teacher_steps) for st in students for s in seeds], args.jobs)
     splits = [tuple(int(x) for x in sp.split("/")) for sp in args.splits.split(",") if sp]
     if splits:  # at the first student's best lr, which the runs above found
         lr, _ = best_lr(out, students[0], lrs, seeds[:1])
         launch([linearized(students[0], s, lr, t, d, f"_split{t}-{d}") for t, d in splits for s in seeds], args.jobs)
+    if not args.no_teacher_tokens:  # the longest runs last
+        launch([scratch(st, s, default_lr(st, args.extra), teacher_steps) for st in students for s in seeds], args.jobs)
 
     report = report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
                            splits, args.no_teacher_tokens, args.extra)
@@ -206,6 +206,8 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
     lr_rows = []
     for student in students:
         lr, edge = best_lr(out, student, lrs, seeds[:1])  # chosen on the grid's seed
+        if lr is None:
+            continue
         runs = [d for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
         scores = [stage_scores(d, transfer, distill) for d in runs]
         col = {k: spread([sc[k] for sc in scores if sc[k] is not None]) for k in scores[0]}
@@ -224,8 +226,7 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
             ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, x))]
             lr_rows.append(f"| {student} | {x:g} | {spread(ends)} |")
     lines += ["", "Linearization at each lr (val bpb at the end):", "", "| student | lr | val bpb |", "|---|---|---|", *lr_rows]
-    if splits:
-        lr, _ = best_lr(out, students[0], lrs, seeds[:1])
+    if splits and (lr := best_lr(out, students[0], lrs, seeds[:1])[0]) is not None:
         lines += ["", f"Stage splits of {students[0]} at lr {lr:g} ({steps} steps each):", "",
                   "| transfer / distill / finetune | after transfer | after distill | end |", "|---|---|---|---|"]
         for t, d in [(transfer, distill), *splits]:
@@ -259,6 +260,8 @@ def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_
     shown = [min(t_curve.values())]  # the values the y range must show: every curve's end, the linearized starts
     for ax, student in zip(axes[0], students):
         lr, _ = best_lr(out, student, lrs, seeds[:1])
+        if lr is None:
+            continue
         ax.plot([s * tokens_per_step for s in t_curve], list(t_curve.values()), color="black", label="teacher (softmax)")
         x, y = mean_curve([run_dir(out, "lin", student, s, lr) for s in seeds])
         ax.plot([teacher_steps * tokens_per_step + v for v in x], y, marker=".", label=f"linearized (lr {lr:g})")
