@@ -257,8 +257,10 @@ def plot_layer_errors(table: dict[str, list[float]], path: Path) -> None:
     width = 0.8 / len(table)
     fig, ax = plt.subplots(figsize=(1.6 * L + 4, 3.8))
     for j, (name, errs) in enumerate(table.items()):
-        ax.bar([i + (j - (len(table) - 1) / 2) * width for i in range(L)], errs, width, label=name)
-    ax.set(xticks=range(L), xticklabels=[f"layer {i}" for i in range(L)], ylabel="||y - y_teacher|| / ||y_teacher||",
+        capped = [1e3 if not math.isfinite(e) else min(e, 1e3) for e in errs]  # a diverged recursion (nan) at the cap
+        ax.bar([i + (j - (len(table) - 1) / 2) * width for i in range(L)], capped, width, label=name)
+    ax.set(xticks=range(L), xticklabels=[f"layer {i}" for i in range(L)], yscale="log",
+           ylabel="||y - y_teacher|| / ||y_teacher||\n(capped at 1e3; nan drawn there)",
            title="each mixer on the teacher's own attention input")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
