@@ -168,8 +168,7 @@ class Linearization(nn.Module):
             p.requires_grad_(name in train)
         self.stage = stage
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, **kwargs) -> LMOutput:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> LMOutput:
         stage_metric = {"linearize/stage": torch.tensor(float(STAGES.index(self.stage)), device=input_ids.device)}
         if self.stage == "transfer":
             return self.transfer(input_ids, labels, position_ids, stage_metric)
