@@ -8,8 +8,9 @@ tokens as the whole linearization, and for as many as the teacher. Every run is 
 
 Runs: for each student, experiment=linearize (its stage budgets, or --steps and --split) at every --lrs value,
 and from scratch for --steps at every --scratch-lr-factors multiple of the mixer's default lr, on the first
-seed; the other seeds at the first seed's best lrs; from scratch for the teacher's steps at the default lr
-(--no-teacher-tokens skips those); with --splits, the first student at its best lr with other stage splits.
+seed; the other seeds at the first seed's best lrs; with --splits, the first student at its best lr with other
+stage splits, on the first seed; last, the longest runs: the --teacher-tokens students from scratch for the
+teacher's steps at the default lr, on the first seed.
 Overrides after `--` go to every run (e.g. -- trainer.eval_batches=40).
 
 Writes table.md (val bpb, mean (min-max) over seeds: the teacher; each student zero-shot (step 0), after
@@ -143,15 +144,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, help="steps of each linearization (default: experiment=linearize's)")
     p.add_argument("--split", help="T/D: transfer and distill steps, the rest finetune (default: experiment=linearize's)")
     p.add_argument("--splits", default="", help="other T/D splits, run for the first student at its best lr")
-    p.add_argument("--no-teacher-tokens", action="store_true", help="skip from-scratch runs at the teacher's tokens")
+    p.add_argument("--teacher-tokens", help="students trained from scratch for the teacher's steps (default: all; "
+                                            "'none': no such runs)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each on cpu_count / jobs threads")
     p.add_argument("extra", nargs="*", help="overrides for every run (after --)")
     args = p.parse_args()
 
     teacher, out = Path(args.teacher).resolve(), Path(args.out).resolve()
     students = args.students.split(",")
+    long_students = students if args.teacher_tokens is None else [s for s in args.teacher_tokens.split(",") if s != "none"]
     if unknown := [s for s in students if s not in STUDENTS]:
         sys.exit(f"error: unknown --students {unknown}; valid: {', '.join(STUDENTS)}")
+    if unknown := [s for s in long_students if s not in students]:
+        sys.exit(f"error: --teacher-tokens {unknown} not in --students; valid: {', '.join(students)} or none")
     seeds = [int(s) for s in args.seeds.split(",")]
     lrs = [float(x) for x in args.lrs.split(",")]
     factors = [float(x) for x in args.scratch_lr_factors.split(",")]
@@ -182,12 +187,11 @@ def main() -> None:
     splits = [tuple(int(x) for x in sp.split("/")) for sp in args.splits.split(",") if sp]
     if splits:  # at the first student's best lr, which the runs above found
         lr, _ = best_lr(out, students[0], lrs, seeds[:1])
-        launch([linearized(students[0], s, lr, t, d, f"_split{t}-{d}") for t, d in splits for s in seeds], args.jobs)
-    if not args.no_teacher_tokens:  # the longest runs last
-        launch([scratch(st, s, default_lr(st, args.extra), teacher_steps) for st in students for s in seeds], args.jobs)
+        launch([linearized(students[0], seeds[0], lr, t, d, f"_split{t}-{d}") for t, d in splits], args.jobs)
+    launch([scratch(st, seeds[0], default_lr(st, args.extra), teacher_steps) for st in long_students], args.jobs)
 
     report = report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
-                           splits, args.no_teacher_tokens, args.extra)
+                           splits, args.extra)
     (out / "table.md").write_text(report + "\n")
     print(report)
     plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_steps, args.extra, out / "curves.png")
@@ -195,14 +199,14 @@ def main() -> None:
 
 
 def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
-                  splits, no_teacher_tokens, extra) -> str:
+                  splits, extra) -> str:
     teacher_bpb = val_curve(teacher)[max(val_curve(teacher))]
     finetune = steps - transfer - distill
     lines = [f"Teacher: {teacher} ({teacher_steps} steps), val bpb {teacher_bpb:.4f}. Each linearization: {steps} steps "
              f"({100 * steps / teacher_steps:.0f}% of the teacher's tokens): transfer {transfer}, distill {distill}, "
              f"finetune {finetune}. Val bpb, mean (min-max) over seeds {seeds}, each at the lr that was best on seed {seeds[0]}.", "",
              "| student | lr | zero-shot | after transfer | after distill | linearized | gap to teacher | "
-             f"scratch, {steps} steps (lr) | scratch, {teacher_steps} steps |", "|---" * 9 + "|"]
+             f"scratch, {steps} steps (lr) | scratch, {teacher_steps} steps (seed {seeds[0]}) |", "|---" * 9 + "|"]
     lr_rows = []
     for student in students:
         lr, edge = best_lr(out, student, lrs, seeds[:1])  # chosen on the grid's seed
@@ -214,9 +218,8 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
         gap = spread([sc["end"] - teacher_bpb for sc in scores])
         scratch_lr = best_scratch_lr(out, student, scratch_lrs[student], seeds[:1], steps)
         equal = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, scratch_lr))]
-        long = [] if no_teacher_tokens else [end_bpb(d) for s in seeds
-                                             if finished(d := run_dir(out, f"scratch{teacher_steps}", student, s,
-                                                                      default_lr(student, extra)))]
+        long = [end_bpb(d) for d in [run_dir(out, f"scratch{teacher_steps}", student, seeds[0], default_lr(student, extra))]
+                if finished(d)]
         shown_lr = f"{lr:g}" + (" (edge of grid)" if edge else "")
         grid = scratch_lrs[student]
         scratch_edge = " (edge of grid)" if len(grid) > 1 and scratch_lr in (min(grid), max(grid)) else ""
@@ -227,11 +230,11 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
             lr_rows.append(f"| {student} | {x:g} | {spread(ends)} |")
     lines += ["", "Linearization at each lr (val bpb at the end):", "", "| student | lr | val bpb |", "|---|---|---|", *lr_rows]
     if splits and (lr := best_lr(out, students[0], lrs, seeds[:1])[0]) is not None:
-        lines += ["", f"Stage splits of {students[0]} at lr {lr:g} ({steps} steps each):", "",
+        lines += ["", f"Stage splits of {students[0]} at lr {lr:g} ({steps} steps each, seed {seeds[0]}):", "",
                   "| transfer / distill / finetune | after transfer | after distill | end |", "|---|---|---|---|"]
         for t, d in [(transfer, distill), *splits]:
             extra = "" if (t, d) == (transfer, distill) else f"_split{t}-{d}"
-            scores = [stage_scores(r, t, d) for s in seeds if finished(r := run_dir(out, "lin", students[0], s, lr, extra))]
+            scores = [stage_scores(r, t, d) for r in [run_dir(out, "lin", students[0], seeds[0], lr, extra)] if finished(r)]
             col = {k: spread([sc[k] for sc in scores if sc[k] is not None]) for k in ("after transfer", "after distill", "end")}
             lines.append(f"| {t} / {d} / {steps - t - d} | {col['after transfer']} | {col['after distill']} | {col['end']} |")
     return "\n".join(lines)
@@ -270,8 +273,9 @@ def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_
             grid = scratch_lrs[student] if n == steps else [default_lr(student, extra)]  # teacher's tokens: default lr
             x, y = mean_curve([run_dir(out, f"scratch{n}", student, s, best_scratch_lr(out, student, grid, seeds[:1], n))
                                for s in seeds])
-            ax.plot(x, y, style, label=f"{student} from scratch, {n} steps")
-            shown += y[-1:]
+            if x:
+                ax.plot(x, y, style, label=f"{student} from scratch, {n} steps")
+                shown += y[-1:]
         ax.set(title=student, xlabel="training tokens (linearized: after the teacher's)", xscale="log")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)

@@ -70,7 +70,7 @@ def test_linearize_study(tmp_path, softmax_run, data_cache):
                                                                    "trainer.warmup_steps=1", "trainer.eval_batches=2"]
     proc = subprocess.run([sys.executable, "scripts/linearize_study.py", "--teacher", str(softmax_run), "--out",
                            str(tmp_path), "--students", "derived_gdn", "--seeds", "0", "--lrs", "1e-3,3e-3", "--steps", "2",
-                           "--split", "1/1", "--no-teacher-tokens", "--", *overrides], cwd=ROOT, capture_output=True,
+                           "--split", "1/1", "--teacher-tokens", "none", "--", *overrides], cwd=ROOT, capture_output=True,
                           text=True, env={**os.environ, "SWAPLM_CACHE": str(data_cache)}, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "running 3" in proc.stdout and "FAILED" not in proc.stdout
