@@ -1,16 +1,17 @@
 """The linearization study (docs/studies/linearize.md): a trained softmax teacher linearized into each student
 architecture by train.py's experiment=linearize, against the same student trained from scratch for as many
 tokens as the whole linearization, and for as many as the teacher. Every run is a train.py run dir under
---out; one whose final/ exists is not run again (rerun the command to continue a study).
+--out; one whose final/ exists is not run again (rerun the command to continue a study; --report writes the
+tables of the runs finished so far and starts none).
 
     python scripts/linearize_study.py --teacher outputs/<softmax run> --out outputs/linearize_study \\
         --students derived_gdn,gdn,linear,hybrid --seeds 0,1 --lrs 3e-4,1e-3,3e-3 --jobs 2
 
 Runs: for each student, experiment=linearize (its stage budgets, or --steps and --split) at every --lrs value,
 and from scratch for --steps at every --scratch-lr-factors multiple of the mixer's default lr, on the first
-seed; the other seeds at the first seed's best lrs; with --splits, the first student at its best lr with other
-stage splits, on the first seed; last, the longest runs: the --teacher-tokens students from scratch for the
-teacher's steps at the default lr, on the first seed.
+seed, and the --teacher-tokens students from scratch for the teacher's steps at the default lr on the first seed
+(the longest runs, started first); then the other seeds at the first seed's best lrs; with --splits, the first
+student at its best lr with other stage splits, on the first seed.
 Overrides after `--` go to every run (e.g. -- trainer.eval_batches=40).
 
 Writes table.md (val bpb, mean (min-max) over seeds: the teacher; each student zero-shot (step 0), after
@@ -94,11 +95,13 @@ def launch(jobs: list[tuple[Path, list[str]]], parallel: int) -> None:
         time.sleep(0.5)
 
 
-def spread(values: list[float]) -> str:
+def spread(values: list[float], seeds: int = 1) -> str:
+    """mean (min-max) of `values`, saying so when fewer than `seeds` runs have finished."""
     if not values:
         return "-"
     mean = statistics.mean(values)
-    return f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ({min(values):.4f}-{max(values):.4f})"
+    shown = f"{mean:.4f}" if len(values) == 1 else f"{mean:.4f} ({min(values):.4f}-{max(values):.4f})"
+    return shown + (f" [{len(values)} of {seeds} seeds]" if len(values) < seeds else "")
 
 
 def best_lr(out: Path, student: str, lrs: list[float], seeds: list[int]) -> tuple[float | None, bool]:
@@ -147,6 +150,7 @@ def main() -> None:
     p.add_argument("--teacher-tokens", help="students trained from scratch for the teacher's steps (default: all; "
                                             "'none': no such runs)")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, each on cpu_count / jobs threads")
+    p.add_argument("--report", action="store_true", help="start no run: the tables and plot of the runs finished so far")
     p.add_argument("extra", nargs="*", help="overrides for every run (after --)")
     args = p.parse_args()
 
@@ -178,17 +182,19 @@ def main() -> None:
         return run_dir(out, f"scratch{n}", student, seed, lr), overrides
 
     scratch_lrs = {st: [f * default_lr(st, args.extra) for f in factors] for st in students}
-    # the lr grids on the first seed; the other seeds at its best lr
-    launch([linearized(st, seeds[0], lr) for st in students for lr in lrs]
-           + [scratch(st, seeds[0], lr, steps) for st in students for lr in scratch_lrs[st]], args.jobs)
-    launch([linearized(st, s, best_lr(out, st, lrs, seeds[:1])[0]) for st in students for s in seeds[1:]]
-           + [scratch(st, s, best_scratch_lr(out, st, scratch_lrs[st], seeds[:1], steps), steps)
-              for st in students for s in seeds[1:]], args.jobs)
     splits = [tuple(int(x) for x in sp.split("/")) for sp in args.splits.split(",") if sp]
-    if splits:  # at the first student's best lr, which the runs above found
-        lr, _ = best_lr(out, students[0], lrs, seeds[:1])
-        launch([linearized(students[0], seeds[0], lr, t, d, f"_split{t}-{d}") for t, d in splits], args.jobs)
-    launch([scratch(st, seeds[0], default_lr(st, args.extra), teacher_steps) for st in long_students], args.jobs)
+    if not args.report:
+        # the longest runs first, so that the short ones fill the other jobs meanwhile; the lr grids on the first
+        # seed; the other seeds at its best lr
+        launch([scratch(st, seeds[0], default_lr(st, args.extra), teacher_steps) for st in long_students]
+               + [linearized(st, seeds[0], lr) for st in students for lr in lrs]
+               + [scratch(st, seeds[0], lr, steps) for st in students for lr in scratch_lrs[st]], args.jobs)
+        launch([linearized(st, s, best_lr(out, st, lrs, seeds[:1])[0]) for st in students for s in seeds[1:]]
+               + [scratch(st, s, best_scratch_lr(out, st, scratch_lrs[st], seeds[:1], steps), steps)
+                  for st in students for s in seeds[1:]], args.jobs)
+        if splits:  # at the first student's best lr, which the runs above found
+            lr, _ = best_lr(out, students[0], lrs, seeds[:1])
+            launch([linearized(students[0], seeds[0], lr, t, d, f"_split{t}-{d}") for t, d in splits], args.jobs)
 
     report = report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
                            splits, args.extra)
@@ -214,8 +220,8 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
             continue
         runs = [d for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
         scores = [stage_scores(d, transfer, distill) for d in runs]
-        col = {k: spread([sc[k] for sc in scores if sc[k] is not None]) for k in scores[0]}
-        gap = spread([sc["end"] - teacher_bpb for sc in scores])
+        col = {k: spread([sc[k] for sc in scores if sc[k] is not None], len(seeds)) for k in scores[0]}
+        gap = spread([sc["end"] - teacher_bpb for sc in scores], len(seeds))
         scratch_lr = best_scratch_lr(out, student, scratch_lrs[student], seeds[:1], steps)
         equal = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, scratch_lr))]
         long = [end_bpb(d) for d in [run_dir(out, f"scratch{teacher_steps}", student, seeds[0], default_lr(student, extra))]
@@ -224,7 +230,7 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
         grid = scratch_lrs[student]
         scratch_edge = " (edge of grid)" if len(grid) > 1 and scratch_lr in (min(grid), max(grid)) else ""
         lines.append(f"| {student} | {shown_lr} | {col['zero-shot']} | {col['after transfer']} | {col['after distill']} | "
-                     f"{col['end']} | {gap} | {spread(equal)} ({scratch_lr:g}{scratch_edge}) | {spread(long)} |")
+                     f"{col['end']} | {gap} | {spread(equal, len(seeds))} ({scratch_lr:g}{scratch_edge}) | {spread(long)} |")
         for x in lrs:
             ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, x))]
             lr_rows.append(f"| {student} | {x:g} | {spread(ends)} |")

@@ -82,6 +82,15 @@ def test_linearize_study(tmp_path, softmax_run, data_cache):
     assert len(zero_shot) == 2 and zero_shot[0] == zero_shot[1] and row[2] == f"{zero_shot[0]:.4f}"
     assert all(math.isfinite(float(c.split()[0])) for c in row[2:8]), row
     assert (tmp_path / "curves.png").stat().st_size > 0
+    # --report with a seed not run: nothing starts, and the row says how many seeds it holds
+    proc = subprocess.run([sys.executable, "scripts/linearize_study.py", "--teacher", str(softmax_run), "--out",
+                           str(tmp_path), "--students", "derived_gdn", "--seeds", "0,1", "--lrs", "1e-3,3e-3", "--steps", "2",
+                           "--split", "1/1", "--report", "--", *overrides], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0 and "running" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert not list(tmp_path.glob("*_s1*"))
+    (row,) = [r for r in table_rows((tmp_path / "table.md").read_text()) if r[0] == "derived_gdn"][:1]
+    assert row[5].endswith("[1 of 2 seeds]"), row
 
 
 def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache):
