@@ -283,6 +283,7 @@ def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_
                 ax.plot(x, y, style, label=f"{student} from scratch, {n} steps")
                 shown += y[-1:]
         ax.set(title=student, xlabel="training tokens (linearized: after the teacher's)", xscale="log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decades only: minor labels overlap
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     axes[0][0].set_ylabel("val bits per byte")
