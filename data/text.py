@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from filelock import FileLock
 
 from common.files import written_then_renamed
 from data.registry import DATASETS
@@ -259,6 +260,15 @@ def prepare_stores(cfg, corpus: Corpus, tokenizer, cache: Path) -> dict[str, Tok
     max_tokens = cfg.get("max_tokens") if corpus.streaming else None
     key = hashlib.sha1(f"{corpus.fingerprint}-{tok_id}-{max_tokens}-v{STORE_VERSION}".encode()).hexdigest()[:16]
     folders = {split: cache / "stores" / f"{key}-{split}" for split in ("train", "val")}
+    folders["train"].parent.mkdir(parents=True, exist_ok=True)
+    # One process prepares a key at a time (the jobs of a sweep start together on a cold cache): the
+    # others wait, then open what it wrote; so a leftover found under the lock is a killed one's.
+    with FileLock(cache / "stores" / f"{key}.lock"):
+        return open_or_build_stores(cfg, corpus, tokenizer, folders, tok_id, max_tokens)
+
+
+def open_or_build_stores(cfg, corpus: Corpus, tokenizer, folders: dict[str, Path], tok_id: str,
+                         max_tokens: int | None) -> dict[str, TokenStore]:
     stores = {}
     for split, folder in folders.items():
         for leftover in folder.parent.glob(f"{folder.name}.*"):  # a killed preparation's temp or scratch folder
@@ -273,7 +283,6 @@ def prepare_stores(cfg, corpus: Corpus, tokenizer, cache: Path) -> dict[str, Tok
         return stores
     # A held-out val split comes from the same pass as train, so the two are written together.
     missing = {s: f for s, f in folders.items() if s not in stores or corpus.val is None}
-    folders["train"].parent.mkdir(parents=True, exist_ok=True)
     info = {"source": corpus.fingerprint, "tokenizer": tok_id}
     every = max(2, round(1 / cfg.val_fraction))
     if corpus.streaming:

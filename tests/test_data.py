@@ -155,6 +155,32 @@ def test_broken_cache_is_rebuilt_not_reused(tmp_path, capsys):
     assert torch.equal(blocks(again.train), good) and not killed.exists()
 
 
+def test_a_second_process_waits_for_the_store_being_built(tmp_path):
+    """The jobs of a sweep start together on a cold cache: one builds the stores under the key's lock,
+    the others wait and open them (a waiting job once removed the builder's temp folder as a killed
+    one's leftover, failing the builder)."""
+    import shutil
+    import threading
+    import time
+
+    from filelock import FileLock
+
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"text": f"doc {i} " * 20}) + "\n" for i in range(50)))
+    cfg = local_cfg(tmp_path / "d.jsonl", tmp_path)
+    good = blocks(build_data(cfg, 16, seed=0).train)
+    (lock,) = (tmp_path / "stores").glob("*.lock")
+    for folder in (tmp_path / "stores").glob("*-*"):
+        shutil.rmtree(folder)
+    built = {}
+    with FileLock(lock):  # another process is building
+        waiting = threading.Thread(target=lambda: built.update(data=build_data(cfg, 16, seed=0)))
+        waiting.start()
+        time.sleep(1.0)
+        assert waiting.is_alive() and not list((tmp_path / "stores").glob("*-*"))
+    waiting.join()
+    assert torch.equal(blocks(built["data"].train), good)
+
+
 def test_sampler_is_an_epoch_permutation_keyed_by_seed():
     for n in (1, 7, 64, 1000, 4097):
         assert sorted(permute(np.arange(n), n, key=3).tolist()) == list(range(n))
