@@ -4,8 +4,8 @@ EP ranks of a (W / EP) x EP mesh (training/parallel.py), against the same layer 
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml --num_processes W -m tests.ep_worker OUT EP
 
 Each rank routes its own tokens. The reference: the unsplit layer on every rank's tokens, the loss the
-mean over ranks of <y_r, g_r> (g_r fixed random), its gradients. The split layer: each rank's loss
-<y_r, g_r> backward, the router's and shared experts' gradients averaged over all ranks (as DDP does),
+mean over ranks of <y_r, g_r> (g_r fixed random) plus the layer's aux losses (router=reinforce's with
+the token rewards -<y_t, g_t>), its gradients. The split layer: each rank's loss backward, the router's and shared experts' gradients averaged over all ranks (as DDP does),
 the experts' through reduce_and_clip_gradients. The main process writes OUT/ep<EP>_world<W>.json: the sizes that
 ran and, per router, the largest difference of outputs, input gradients, router and expert gradients
 and the gradient norm from the reference's."""
@@ -21,6 +21,7 @@ ROUTERS = {
     "expert_choice": dict(),
     "hash": dict(),
     "balanced": dict(),
+    "reinforce": dict(reinforce_baseline="value", reinforce_entropy_coef=0.01),
 }
 E, D, TOKENS = 8, 16, 24
 
@@ -44,6 +45,18 @@ def inputs(rank: int):
             torch.randn(TOKENS, D, generator=g, dtype=torch.float64))
 
 
+def loss(moe, x, ids, g):
+    """The layer's output and a loss: <y, g> plus its aux losses, the REINFORCE router's with the
+    token rewards -<y_t, g_t>."""
+    from model.layers import AuxCollector
+
+    aux = AuxCollector()
+    y = moe(x, aux, token_ids=ids)
+    aux.give_reward(-(y * g).sum(-1), torch.ones(len(x), dtype=torch.bool))
+    extra = aux.total_loss()  # None for hash: no scores, no losses
+    return y, (y * g).sum() + (0 if extra is None else extra)
+
+
 def compare(router: str, ep: int) -> dict:
     from training.parallel import apply_expert_parallel, expert_parameters, reduce_and_clip_gradients
 
@@ -54,8 +67,8 @@ def compare(router: str, ep: int) -> dict:
     for r in range(W):
         x, ids, g = inputs(r)
         x.requires_grad_(True)
-        y = ref(x, token_ids=ids)
-        ((y * g).sum() / W).backward()
+        y, total = loss(ref, x, ids, g)
+        (total / W).backward()
         ref_y.append(y.detach())
         ref_dx.append(x.grad)
     ref_norm = torch.cat([p.grad.flatten() for p in ref.parameters() if p.grad is not None]).norm().item()
@@ -66,8 +79,8 @@ def compare(router: str, ep: int) -> dict:
     moe = holder[0]
     x, ids, g = inputs(rank)
     x.requires_grad_(True)
-    y = moe(x, token_ids=ids)
-    (y * g).sum().backward()  # this rank's loss; averaged over the ranks below, as DDP and the EP glue do
+    y, total = loss(moe, x, ids, g)
+    total.backward()  # this rank's loss; averaged over the ranks below, as DDP and the EP glue do
     experts = {id(p) for p in expert_parameters(holder)}
     for p in holder.parameters():  # DDP's averaging of the replicated parameters
         if id(p) not in experts and p.grad is not None:

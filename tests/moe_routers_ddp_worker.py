@@ -22,6 +22,7 @@ ROUTERS = {
     "expert_choice": dict(expert_choice_capacity_factor=0.75, **LOSSES),
     "hash": dict(),  # no router scores, so no balance losses
     "balanced": dict(**LOSSES),
+    "reinforce": dict(aux_free_bias=True, reinforce_baseline="value", reinforce_entropy_coef=0.01, **LOSSES),
 }
 SHAPE = dict(num_experts=4, top_k=2, expert_intermediate_size=16, num_expert_groups=2)
 BATCH, SEQ_LEN, VOCAB = 8, 16, 64

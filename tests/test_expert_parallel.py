@@ -25,11 +25,12 @@ def test_split_layer_equals_the_unsplit_layer(tmp_path, world):
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / f"ep2_world{world}.json").read_text())
-    assert result["world_size"] == world and set(result["routers"]) == {"topk", "expert_choice", "hash", "balanced"}
+    assert result["world_size"] == world and set(result["routers"]) == {"topk", "expert_choice", "hash", "balanced", "reinforce"}
     for router, r in result["routers"].items():
         assert (r["ep_size"], r["dp_size"], r["local_experts"]) == (2, world // 2, 4), router
         assert r["worst"] < 1e-10, (router, r)
         assert "drouter.weight" in r or router == "hash"
+        assert ("drouter.value" in r) == (router == "reinforce")  # the value head's gradient compared too
 
 
 def moe_lm(num_experts=8, ffn="moe"):

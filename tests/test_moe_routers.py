@@ -22,7 +22,7 @@ from model.layers import AuxCollector
 from test_moe import make_moe, randomise
 
 F64 = torch.float64
-ROUTERS = ["topk", "expert_choice", "hash", "balanced"]
+ROUTERS = ["topk", "expert_choice", "hash", "balanced", "reinforce"]
 REFERENCE = Path(__file__).parent / "data" / "moe_topk_reference.pt"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -436,7 +436,11 @@ def test_flops_count_the_experts_each_router_runs():
 
 # ---- bad options: one line naming the key, the value and what is valid ----------------------------------------
 @pytest.mark.parametrize("options,message", [
-    (dict(router="nope"), "unknown moe router 'nope'; valid: topk, expert_choice, hash, balanced"),
+    (dict(router="nope"), "unknown moe router 'nope'; valid: topk, expert_choice, hash, balanced, reinforce"),
+    (dict(router="reinforce", score_func="sigmoid"), "moe score_func='sigmoid'; valid: 'softmax' with router=reinforce"),
+    (dict(router="reinforce", reinforce_baseline="critic"), "unknown moe reinforce_baseline 'critic'; valid: mean, value"),
+    (dict(router="reinforce", reinforce_baseline_decay=1.0), "moe reinforce_baseline_decay=1.0; valid: 0 <= decay < 1"),
+    (dict(reinforce_loss_coef=0.1), "moe reinforce_loss_coef=0.1; valid: 0.01 with router=topk"),
     (dict(expert_choice_capacity_factor=2.0), "moe expert_choice_capacity_factor=2.0; valid: 1.0 with router=topk"),
     (dict(router="hash", aux_free_bias=True), "moe aux_free_bias=True; valid: False with router=hash"),
     (dict(router="expert_choice", capacity_factor=1.5), "moe capacity_factor=1.5; valid: None with router=expert_choice"),

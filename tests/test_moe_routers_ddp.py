@@ -1,6 +1,7 @@
 """2-process DDP (gloo, `accelerate launch` as tests/test_distributed.py) equals 1 process with
 gradient accumulation for every MoE router, through train.py's own train_step: the same losses, the
-same aux metrics (the group and expert loads, the balance losses, unrouted_frac, token_choice_overlap:
+same aux metrics (the group and expert loads, the balance losses, unrouted_frac, token_choice_overlap, the REINFORCE
+router's reward, baseline and share of sampled routes:
 means over both processes' micro-batches, not rank 0's own) and the same final weights (router,
 experts, the aux-free bias from loads all-reduced over ranks). Each launch trains every router
 (tests/moe_routers_ddp_worker.py) and reports the process count that ran."""
@@ -41,7 +42,7 @@ def test_ddp_equals_accumulation_for_every_router(tmp_path):
     one = launch([sys.executable], tmp_path / "one", grad_accum=2)
     two = launch(DDP, tmp_path / "two", grad_accum=1)
     assert one["world_size"] == 1 and two["world_size"] == 2
-    assert sorted(one["routers"]) == sorted(two["routers"]) == ["balanced", "expert_choice", "hash", "topk"]
+    assert sorted(one["routers"]) == sorted(two["routers"]) == ["balanced", "expert_choice", "hash", "reinforce", "topk"]
     for router, ref in one["routers"].items():
         got = two["routers"][router]
         for step, (a, b) in enumerate(zip(ref["steps"], got["steps"], strict=True)):
@@ -54,3 +55,6 @@ def test_ddp_equals_accumulation_for_every_router(tmp_path):
     topk = one["routers"]["topk"]
     assert any(topk["weights"]["expert_bias"])  # the aux-free bias moved
     assert one["routers"]["expert_choice"]["steps"][0]["moe/unrouted_frac"] > 0  # capacity 0.75 leaves tokens out
+    reinforce = one["routers"]["reinforce"]  # sampled, seeded per token: the same draws either way
+    assert reinforce["steps"][0]["moe/resampled_frac"] > 0 and any(reinforce["weights"]["router.value"])
+    assert reinforce["weights"]["router.steps"] == 3 and any(reinforce["weights"]["expert_bias"])

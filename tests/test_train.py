@@ -62,12 +62,13 @@ def test_train_eval_export_and_evaluate(tmp_path, tiny_run):
 
 @pytest.mark.slow
 def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache):
-    """A gdn + MoE run under Muon, resumed with nothing but `run_dir=R resume=auto` (as the stop message
-    says): the saved config.yaml builds the same model, optimizer and data, the truncated last checkpoint
+    """A gdn + MoE run under Muon (router=reinforce, whose sampling and reward baseline must continue as
+    they were), resumed with nothing but `run_dir=R resume=auto` (as the stop message says): the saved config.yaml builds the same model, optimizer and data, the truncated last checkpoint
     is reported and skipped, and the losses continue exactly as the uninterrupted run's. Then
     resume=<run>/checkpoints/step_4 in a new run_dir while step 6 is the run's latest: that run's
     config is read, and steps 5..8 repeat the uninterrupted run's losses again."""
-    run_args = ("mixer=gdn", "ffn=moe", "optimizer=muon", "trainer.ckpt_every=2", "trainer.keep_checkpoints=5")
+    run_args = ("mixer=gdn", "ffn=moe", "ffn.options.router=reinforce", "ffn.options.reinforce_baseline=value",
+                "optimizer=muon", "trainer.ckpt_every=2", "trainer.keep_checkpoints=5")
     full, run = tmp_path / "full", tmp_path / "run"
     run_train(full, *run_args, cache=data_cache)
     (run / "checkpoints").mkdir(parents=True)

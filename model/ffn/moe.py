@@ -4,7 +4,7 @@
     y_t = Shared(x_t) + sum_{s: t_s = t} g_s E_{e_s}(x_t),     E_i(x) = (silu(x W_g,i) * x W_u,i) W_d,i
 
 The router is an option (`router`, model/ffn/routers/): topk (token choice, the default), expert_choice,
-hash, balanced; each file gives its formula, paper and what it does at evaluation and decoding. All
+hash, balanced, reinforce; each file gives its formula, paper and what it does at evaluation and decoding. All
 share what follows.
 
 Each routed expert is computed only on the tokens assigned to it: the assignments are sorted by
@@ -56,6 +56,7 @@ import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -64,7 +65,7 @@ import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.ffn.dense import SwiGLU
-from model.ffn.routers import ROUTER_OPTIONS, ROUTERS, BalancedOptions, ExpertChoiceOptions, Routing
+from model.ffn.routers import ROUTER_OPTIONS, ROUTERS, BalancedOptions, ExpertChoiceOptions, ReinforceOptions, Routing
 from model.layers import ffn_residual_scale
 from model.options import bad_option, option
 from model.registry import FFNS
@@ -74,7 +75,7 @@ LOSSES = ("balance_loss", "z_loss", "sequence_balance_loss", "group_balance_loss
 
 
 @dataclass
-class MoEOptions(ExpertChoiceOptions, BalancedOptions):  # + the options each router's own file declares
+class MoEOptions(ExpertChoiceOptions, BalancedOptions, ReinforceOptions):  # + the options each router's own file declares
     router: str = option("topk", choices=tuple(ROUTERS))
     num_experts: int = option(8, at_least=1)                     # E
     top_k: int = option(2, at_least=1)                           # k <= E
@@ -135,6 +136,7 @@ class MoE(nn.Module):
         self.init_std, self.residual_scale = config.initializer_range, ffn_residual_scale(config)
 
         self.router = ROUTERS[opts.router](d, opts)
+        self.router.layer_idx = layer_idx
         # Stacked expert weights, laid out for x @ W: gate and up fused into one [d, 2f] matrix.
         self.gate_up_proj = nn.Parameter(torch.empty(E, d, 2 * f))
         self.down_proj = nn.Parameter(torch.empty(E, f, d))
@@ -156,12 +158,11 @@ class MoE(nn.Module):
 
     # forward -----------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor, aux=None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., d]; token_ids [...] (the input ids of x's tokens; router=hash needs them)."""
+        """x [..., d]; token_ids [...] (the input ids of x's tokens; router=hash and reinforce need them)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         N, k, E = x.shape[0], self.top_k, self.num_experts
-        routing = self.router(x, None if token_ids is None else token_ids.reshape(-1),
-                              self.expert_bias if self.aux_free_bias else None)
+        routing = self.router(x, token_ids, self.expert_bias if self.aux_free_bias else None)
 
         # Sort the S assignments by expert; stable, so tokens keep their order.
         flat = routing.expert
@@ -193,6 +194,8 @@ class MoE(nn.Module):
         if aux is not None:
             rows = shape[0] if len(shape) == 3 else 1  # the sequences of the sequence-wise loss
             self.report(aux, routing, routed, token, N, rows)
+            if routing.policy is not None:  # router=reinforce: its loss once the LM loss gives each token a reward
+                aux.on_reward(partial(self.router.reinforce, tag=f"moe/layer{self.layer_idx}", policy=routing.policy))
         return y.view(shape)
 
     def local_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

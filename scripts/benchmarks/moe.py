@@ -59,7 +59,8 @@ def build(E: int, k: int, d: int, f: int):
 
 # Each router at the default MoE options; top-k also group-limited (4 groups of 2 experts, at most 2 per token).
 ROUTER_CASES = {"topk": {}, "expert_choice": {"router": "expert_choice"}, "hash": {"router": "hash"},
-                "balanced": {"router": "balanced"}, "topk, group-limited": {"num_expert_groups": 4, "max_groups_per_token": 2}}
+                "balanced": {"router": "balanced"}, "reinforce": {"router": "reinforce"},
+                "topk, group-limited": {"num_expert_groups": 4, "max_groups_per_token": 2}}
 
 
 def routers(quick: bool) -> str:
@@ -85,6 +86,8 @@ def routers(quick: bool) -> str:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 y = module(x, aux, ids)
             loss = (y.float() * grad).sum()
+            # router=reinforce: a reward per token (its loss term here), as DecoderLM hands over -CE
+            aux.give_reward(-(y.float() * grad).sum(-1).flatten(), torch.ones(y.shape[0] * y.shape[1], dtype=torch.bool, device=device))
             if (extra := aux.total_loss()) is not None:
                 loss = loss + extra
             loss.backward()

@@ -4,11 +4,14 @@
     expert_choice  each expert its C best tokens of the batch; token choice at evaluation (expert_choice.py)
     hash           a fixed balanced hash of the input token id, no weights (hash.py)
     balanced       balanced assignment (Sinkhorn + exact rounding); token choice at evaluation (balanced.py)
+    reinforce      a policy that samples k experts, trained by REINFORCE on the token's LM loss; greedy
+                   top-k at evaluation (reinforce.py)
 
 Interface (the MoE in model/ffn/moe.py owns the dispatch, the balance losses and their logging):
 
     router = ROUTERS[name](hidden_size, opts)        opts: the MoE's options (MoEOptions)
-    routing = router(x [N, d], token_ids [N] | None, selection_bias [E] | None) -> Routing (routing.py)
+    routing = router(x [N, d], token_ids [..] | None, selection_bias [E] | None) -> Routing (routing.py)
+                                                    token_ids: x's input ids in the forward's layout ([B, T])
 
 A router lists the MoE options it does not use in `unused_options` (they must keep their
 defaults under it). The router reads `self.training`: training and evaluation routing differ for the routers whose
@@ -19,11 +22,12 @@ dataclass that MoEOptions inherits), named after it.
 from model.ffn.routers.balanced import Balanced, BalancedOptions
 from model.ffn.routers.expert_choice import ExpertChoice, ExpertChoiceOptions
 from model.ffn.routers.hash import Hash
+from model.ffn.routers.reinforce import Reinforce, ReinforceOptions
 from model.ffn.routers.routing import Routing
 from model.ffn.routers.topk import TopK
 
-ROUTERS = {"topk": TopK, "expert_choice": ExpertChoice, "hash": Hash, "balanced": Balanced}
+ROUTERS = {"topk": TopK, "expert_choice": ExpertChoice, "hash": Hash, "balanced": Balanced, "reinforce": Reinforce}
 # The options each router's own file declares (checked: they stay at their defaults under another router).
-ROUTER_OPTIONS = {"expert_choice": ExpertChoiceOptions, "balanced": BalancedOptions}
+ROUTER_OPTIONS = {"expert_choice": ExpertChoiceOptions, "balanced": BalancedOptions, "reinforce": ReinforceOptions}
 
-__all__ = ["ROUTERS", "ROUTER_OPTIONS", "Routing", "ExpertChoiceOptions", "BalancedOptions"]
+__all__ = ["ROUTERS", "ROUTER_OPTIONS", "Routing", "ExpertChoiceOptions", "BalancedOptions", "ReinforceOptions"]

@@ -29,6 +29,8 @@ class Routing:
     # Training routing that is not token choice: the share of the N k (token, expert) pairs of token
     # choice on the same scores (the routing used at evaluation) that training routing also makes.
     token_choice_overlap: torch.Tensor | None = None
+    # A router trained by REINFORCE (reinforce.py): what its loss needs once the token rewards arrive.
+    policy: object | None = None
 
     @classmethod
     def from_token_choice(cls, experts: torch.Tensor, gates: torch.Tensor, **rest) -> "Routing":

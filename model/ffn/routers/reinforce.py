@@ -1,0 +1,192 @@
+"""Routing learnt by reinforcement (RL-R of Clark et al. 2022, "Unified Scaling Laws for Routed
+Language Models", arXiv:2202.01169; policy-gradient routing as Bengio et al. 2015, arXiv:1511.06297,
+and Rosenbaum et al. 2018, arXiv:1711.01239): the router is a policy that samples each token's k
+experts at training, and is trained by REINFORCE on the token's LM loss.
+
+    pi_t = softmax(x_t W_r^T + b)                   the policy; b: the MoE's aux-free bias (a logit shift)
+    training: e_1..e_k ~ pi_t without replacement   Gumbel-top-k on log pi_t (Plackett-Luce order)
+        log pi(e_1..e_k) = sum_j log softmax(z_t masked at e_1..e_{j-1})[e_j]
+    evaluation, decoding: e = topk(pi_t)            greedy, deterministic
+    r_t = -CE_t                                     the token's own next-token loss, detached
+    L_pg = coef mean_t -(r_t - b_t) log pi(e_t)      over the tokens with a label
+    L_ent = -entropy_coef mean_t H(pi_t)            (an entropy bonus)
+    gates: route_scale pi_{t,i} of the sampled experts [/ their sum if norm_topk_prob]
+
+Reward assignment: every layer's router gets the same per-token reward, the final LM loss of that
+token's prediction (the model's `DecoderLM.forward` hands it to the routers through the aux channel,
+`AuxCollector.give_reward`); a layer is credited for the whole model's loss at that token, as in
+Clark et al. The gates carry the policy's probabilities, so the LM loss also reaches the router
+through them as with top-k (norm_topk_prob with k = 1 leaves REINFORCE the only signal).
+
+Baselines (reinforce_baseline):
+    mean   b_t = an exponential moving average of the mean reward per optimizer step (decay
+           reinforce_baseline_decay, bias-corrected as Adam's moments; summed over ranks, so every
+           process holds the same); before the first update, the forward's own mean reward
+    value  b_t = mean + v . x_t, v [d] a learnt linear value head on the detached router input,
+           zero at init, trained by L_v = mean_t (r_t - b_t)^2 (only v sees it)
+
+Sampling is seeded per token, not by the global RNG: the Gumbel noise of (token, expert) is a hash
+of the layer, the optimizer step and the token's context (a polynomial hash of its row's ids up to
+it), so which experts a token samples does not depend on how the batch is split over processes or
+micro-batches.
+"""
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from model.ffn.routers.routing import Routing, ScoredRouter
+from model.options import bad_option, option
+
+BASELINES = ("mean", "value")
+MASK32 = 0xFFFFFFFF
+PRIME = 1_000_003  # the context hash: sum_s id_s PRIME^s mod 2^31 - 1
+MODULUS = 2**31 - 1
+
+
+@dataclass
+class ReinforceOptions:
+    reinforce_loss_coef: float = option(1e-2, at_least=0)        # coef of L_pg
+    reinforce_entropy_coef: float = option(0.0, at_least=0)      # entropy bonus
+    reinforce_baseline: str = option("mean", choices=BASELINES)
+    reinforce_baseline_decay: float = option(0.99, at_least=0)  # < 1
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """MurmurHash3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & MASK32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & MASK32
+    return h ^ (h >> 16)
+
+
+def context_keys(token_ids: torch.Tensor) -> torch.Tensor:
+    """token ids [B, T] (or [T]) -> an int64 key [B T] per token: the hash of its row's ids up to it."""
+    ids = token_ids.reshape(-1, token_ids.shape[-1]).long()
+    powers = torch.tensor(prime_powers(ids.shape[1]), device=ids.device)
+    # each term < 2^31 (ids < 2^31, powers < 2^31, products reduced), so the cumsum stays exact in int64
+    return ((ids % MODULUS) * powers % MODULUS).cumsum(-1).flatten() % MODULUS
+
+
+@functools.cache
+def prime_powers(length: int) -> tuple[int, ...]:
+    """PRIME^t mod MODULUS for t < length."""
+    return tuple(pow(PRIME, t, MODULUS) for t in range(length))
+
+
+def gumbel_noise(keys: torch.Tensor, num_experts: int, salt: int) -> torch.Tensor:
+    """Standard Gumbel noise [N, E], a fixed function of (key, expert, salt)."""
+    h = fmix32((keys & MASK32) ^ (salt * 0x9E3779B9 & MASK32))
+    h = fmix32(h[:, None] ^ (torch.arange(num_experts, device=keys.device) * 0x7FEB352D & MASK32))
+    u = (h.double() + 0.5) / 2**32
+    return -torch.log(-torch.log(u))
+
+
+def sample_log_prob(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """log pi of the ordered draw without replacement experts [N, k] from softmax(logits [N, E]):
+    sum over slots j of log softmax(logits, the experts of slots < j removed)[e_j]."""
+    total = logits.new_zeros(logits.shape[0])
+    removed = torch.zeros_like(logits, dtype=torch.bool)
+    for j in range(experts.shape[1]):
+        e = experts[:, j : j + 1]
+        total = total + logits.masked_fill(removed, float("-inf")).log_softmax(-1).gather(-1, e)[:, 0]
+        removed = removed.scatter(1, e, True)
+    return total
+
+
+@dataclass
+class PolicyStep:
+    """What one training forward of a REINFORCE router keeps until the token rewards arrive."""
+    log_prob: torch.Tensor          # [N] log pi of each token's sampled experts (with grad)
+    log_policy: torch.Tensor        # [N, E] log pi (with grad): the entropy
+    resampled: torch.Tensor         # [N] bool: the sampled experts differ (as a set) from greedy's
+    value: torch.Tensor | None      # [N] v . x_t (baseline=value)
+
+
+class Reinforce(ScoredRouter):
+    causal = True
+    unused_options = ("score_func", "max_groups_per_token")
+
+    def __init__(self, hidden_size: int, opts):
+        super().__init__(hidden_size, opts)
+        if not opts.reinforce_baseline_decay < 1:
+            raise bad_option("moe", "reinforce_baseline_decay", opts.reinforce_baseline_decay, "0 <= decay < 1")
+        self.coef, self.entropy_coef = opts.reinforce_loss_coef, opts.reinforce_entropy_coef
+        self.baseline_kind, self.decay = opts.reinforce_baseline, opts.reinforce_baseline_decay
+        self.layer_idx = 0  # set by the MoE: part of the sampling salt
+        # The bias-corrected moving average: m <- decay m + (1 - decay) mean reward, steps updates;
+        # the baseline is m / (1 - decay^steps). Persistent: a resumed run samples and subtracts as before.
+        self.register_buffer("reward_average", torch.zeros((), dtype=torch.float64))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.value = nn.Parameter(torch.zeros(hidden_size)) if self.baseline_kind == "value" else None
+        self.pending_reward: torch.Tensor | None = None  # (sum, count) of this optimizer step's rewards
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
+                selection_bias: torch.Tensor | None = None) -> Routing:
+        logits, scores, probs = self.scores(x)
+        policy_logits = logits if selection_bias is None else logits + selection_bias.to(logits.dtype)
+        greedy = policy_logits.detach().topk(self.top_k, dim=-1).indices
+        if not self.training:
+            return Routing.from_token_choice(greedy, self.token_choice_gates(scores, greedy), logits=logits, probs=probs)
+        if token_ids is None or token_ids.numel() != x.shape[0]:
+            raise ValueError("router=reinforce needs the input token ids of the forward's tokens (its sampling is seeded by them)")
+        log_policy = policy_logits.log_softmax(-1)
+        noise = gumbel_noise(context_keys(token_ids), self.num_experts, salt=int(self.steps) * 1024 + self.layer_idx)
+        experts = (log_policy.detach().double() + noise).topk(self.top_k, dim=-1).indices
+        routing = Routing.from_token_choice(experts, self.token_choice_gates(scores, experts), logits=logits, probs=probs)
+        resampled = (experts.sort(-1).values != greedy.sort(-1).values).any(-1)
+        value = x.detach().to(self.value.dtype) @ self.value if self.value is not None else None
+        routing.policy = PolicyStep(sample_log_prob(policy_logits, experts), log_policy, resampled, value)
+        return routing
+
+    def baseline(self) -> torch.Tensor | None:
+        """The moving average of the reward, or None before its first update."""
+        if int(self.steps) == 0:
+            return None
+        return self.reward_average / (1 - self.decay ** int(self.steps))
+
+    def reinforce(self, aux, reward: torch.Tensor, labelled: torch.Tensor, *, tag: str, policy: PolicyStep) -> None:
+        """Add this forward's REINFORCE losses and telemetry, given each token's reward [N] (detached)
+        and whether it has a label [N] bool (the rewards of the others are not used)."""
+        reward = reward.to(policy.log_prob.dtype)
+        n = labelled.sum().clamp_min(1)
+        mean_reward = (reward * labelled).sum() / n
+        average = self.baseline()
+        base = mean_reward.detach() if average is None else average.to(reward.dtype)
+        if policy.value is not None:
+            base = base + policy.value
+            aux.add_loss("moe/reinforce_value_loss", (((reward - base) ** 2) * labelled).sum() / n, 1.0)
+        advantage = (reward - base).detach()
+        aux.add_loss("moe/reinforce_loss", -(advantage * policy.log_prob * labelled).sum() / n, self.coef)
+        entropy = -(policy.log_policy.exp() * policy.log_policy).sum(-1)
+        aux.add_loss("moe/policy_entropy", (entropy * labelled).sum() / n, -self.entropy_coef)
+        with torch.no_grad():
+            mean_advantage = (advantage * labelled).sum() / n
+            metrics = {
+                "reward": mean_reward,
+                "baseline": (base * labelled).sum() / n if base.ndim else base,
+                "advantage_var": (((advantage - mean_advantage) ** 2) * labelled).sum() / n,
+                "resampled_frac": (policy.resampled & labelled).sum() / n,
+            }
+            for name, value in metrics.items():
+                aux.add_metric(f"moe/{name}", value)
+                aux.add_metric(f"{tag}/{name}", value)
+            aux.add_metric(f"{tag}/policy_entropy", (entropy * labelled).sum() / n)  # moe/policy_entropy: the loss's log
+            pending = torch.stack([(reward * labelled).sum().double(), labelled.sum().double()])
+            self.pending_reward = pending if self.pending_reward is None else self.pending_reward + pending
+
+    @torch.no_grad()
+    def after_optimizer_step(self) -> None:
+        """The moving average takes this step's mean reward over every process's forwards."""
+        if self.pending_reward is None:
+            return
+        total = self.pending_reward
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total)
+        if total[1] > 0:
+            self.reward_average.mul_(self.decay).add_((1 - self.decay) * total[0] / total[1])
+            self.steps += 1
+        self.pending_reward = None
