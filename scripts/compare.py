@@ -31,7 +31,9 @@ config (on the meta device) and counted.
 are one architecture. Per architecture and KEY value the score (MQAR accuracy if every run of the
 architecture has one, else val loss) is averaged over seeds; the table "best KEY per architecture"
 gives the best value's mean, min-max over seeds and every value's mean, and best_<KEY>/<arch>.png
-plots the score against KEY (every seed a dot, the mean a line; log x), as muP / zoology do. A second
+plots the score against KEY (every seed a dot, the mean a line; log x), as muP / zoology do;
+best_<KEY>/all_val_loss.png (all_mqar_acc.png) puts every architecture on one axis when KEY is numeric
+(val loss against ffn.options.num_experts per router, say). A second
 table gives, at each architecture's best KEY, the mean over seeds of val_bpb, tokens/s and the MoE
 routing columns. Architectures with the same blocks and width are named by the options that differ.
 The MQAR plots then show each architecture at its best KEY.
@@ -566,6 +568,41 @@ def plot_best_over(archs: list[Architecture], key: str, out: Path) -> list[Path]
         ax.grid(alpha=0.3)
         fig.tight_layout()
         path = folder / (re.sub(r"[^A-Za-z0-9._=-]+", "_", a.label) + ".png")
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written + plot_architectures_together(archs, key, folder)
+
+
+def plot_architectures_together(archs: list[Architecture], key: str, folder: Path) -> list[Path]:
+    """all_<score>.png: every architecture's mean score against a numeric KEY on one axis (seeds as
+    dots), one plot per score kind with at least two architectures (e.g. val loss against the number of
+    experts per router, as Clark et al. 2022 plot it)."""
+    import matplotlib.pyplot as plt
+
+    written = []
+    for score in ("val_loss", "mqar_acc"):
+        group = [a for a in archs if a.score == score]
+        if len(group) < 2 or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for a in group for v in a.means()):
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for i, a in enumerate(group):
+            color = f"C{i}"
+            for v, scores in a.points.items():
+                ax.plot([v] * len(scores), scores, "o", color=color, alpha=0.4, ms=4)
+            means = a.means()
+            ax.plot(list(means), list(means.values()), "-", color=color, label=a.label)
+        if all(v > 0 for a in group for v in a.means()):
+            ax.set_xscale("log")
+        values = sorted({v for a in group for v in a.means()})
+        ax.set_xticks(values, [value_text(v) for v in values])
+        ax.minorticks_off()
+        ax.set_xlabel(key)
+        ax.set_ylabel("MQAR accuracy" if score == "mqar_acc" else "val loss (nats/token)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        path = folder / f"all_{score}.png"
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)

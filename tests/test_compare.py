@@ -305,6 +305,9 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
     assert md.count("| gdn_") + md.count("| softmax_") == 12  # every run stays in the full table
     for arch in ("gdn-dense-d32", "softmax-dense-d32"):
         assert (out / "best_trainer_lr" / f"{arch}.png").stat().st_size > 1000
+    # the two val-loss architectures on one axis; gdn alone has MQAR accuracy, so no all_mqar_acc.png
+    assert (out / "best_trainer_lr" / "all_val_loss.png").stat().st_size > 1000
+    assert not (out / "best_trainer_lr" / "all_mqar_acc.png").exists()
     assert (out / "mqar_state.png").exists()
     with pytest.raises(SystemExit, match="has no trainer.nope"):
         compare.main([str(runs), "--out", str(out), "--best-over", "trainer.nope"])
