@@ -77,8 +77,9 @@ def prime_powers(length: int) -> tuple[int, ...]:
     return tuple(pow(PRIME, t, MODULUS) for t in range(length))
 
 
-def gumbel_noise(keys: torch.Tensor, num_experts: int, salt: int) -> torch.Tensor:
-    """Standard Gumbel noise [N, E], a fixed function of (key, expert, salt)."""
+def gumbel_noise(keys: torch.Tensor, num_experts: int, salt) -> torch.Tensor:
+    """Standard Gumbel noise [N, E], a fixed function of (key, expert, salt); salt an int or an int64
+    scalar tensor (the router's step count stays on its device: no sync per forward)."""
     h = fmix32((keys & MASK32) ^ (salt * 0x9E3779B9 & MASK32))
     h = fmix32(h[:, None] ^ (torch.arange(num_experts, device=keys.device) * 0x7FEB352D & MASK32))
     u = (h.double() + 0.5) / 2**32
@@ -134,7 +135,7 @@ class Reinforce(ScoredRouter):
         if token_ids is None or token_ids.numel() != x.shape[0]:
             raise ValueError("router=reinforce needs the input token ids of the forward's tokens (its sampling is seeded by them)")
         log_policy = policy_logits.log_softmax(-1)
-        noise = gumbel_noise(context_keys(token_ids), self.num_experts, salt=int(self.steps) * 1024 + self.layer_idx)
+        noise = gumbel_noise(context_keys(token_ids), self.num_experts, salt=self.steps * 1024 + self.layer_idx)
         experts = (log_policy.detach().double() + noise).topk(self.top_k, dim=-1).indices
         routing = Routing.from_token_choice(experts, self.token_choice_gates(scores, experts), logits=logits, probs=probs)
         resampled = (experts.sort(-1).values != greedy.sort(-1).values).any(-1)
@@ -154,8 +155,9 @@ class Reinforce(ScoredRouter):
         reward = reward.to(policy.log_prob.dtype)
         n = labelled.sum().clamp_min(1)
         mean_reward = (reward * labelled).sum() / n
-        average = self.baseline()
-        base = mean_reward.detach() if average is None else average.to(reward.dtype)
+        # the moving average once it has an update, else the forward's own mean (torch.where: no sync per layer)
+        average = self.reward_average / (1 - self.decay ** self.steps.double())
+        base = torch.where(self.steps > 0, average.to(reward.dtype), mean_reward.detach())
         if policy.value is not None:
             base = base + policy.value
             aux.add_loss("moe/reinforce_value_loss", (((reward - base) ** 2) * labelled).sum() / n, 1.0)
