@@ -48,13 +48,17 @@ def main(cfg: DictConfig) -> float:
 
 def checked_config(cfg: DictConfig, overrides: list[str]) -> DictConfig:
     """The config to train with: on resume, the run's saved config with what may change on resume
-    (training/config.py config_for_resume); every value checked (training/validation.py)."""
+    (training/config.py config_for_resume); for a new run with a budget, max_steps left for the budget
+    to set (training/budget.py); every value checked (training/validation.py)."""
+    from training.budget import budget_replaces_steps
     from training.config import config_for_resume, saved_config_path
     from training.validation import check_train_config
 
     saved = saved_config_path(cfg.resume, cfg.run_dir) if cfg.resume and (cfg.run_dir or cfg.resume != "auto") else None
     if saved is not None:
         cfg = config_for_resume(cfg, OmegaConf.load(saved), overrides, saved)
+    else:
+        budget_replaces_steps(cfg, overrides)
     check_train_config(cfg)
     return cfg
 
@@ -288,4 +292,11 @@ def finish(run: Run, last_log: dict) -> float:
 if __name__ == "__main__":
     check_group_overrides(sys.argv[1:])
     sys.argv[1:] = resolve_aliases(sys.argv[1:])  # attention=... -> mixer=..., before Hydra parses them
+    if {"-m", "--multirun"} & set(sys.argv):  # every job checked before Hydra launches the first
+        from training.jobs import check_multirun
+
+        try:
+            check_multirun([a for a in sys.argv[1:] if not a.startswith("-")])
+        except ValueError as e:
+            sys.exit(f"error: {e}")
     main()

@@ -36,6 +36,8 @@ import sys
 import time
 from pathlib import Path
 
+from training.jobs import check_job, compose, meta_model
+
 ROOT = Path(__file__).resolve().parents[1]
 
 LAUNCHERS = ("accelerate", "python")
@@ -72,19 +74,6 @@ def job_name(job: list[str], overrides: list[str]) -> str:
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", "-".join(swept) or "job")
 
 
-def compose(overrides: list[str], hydra: bool = False):
-    """The train.py config of these overrides (hydra.* ones dropped; with hydra=True, Hydra's own node
-    too), without running anything."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    from training.config import register_hydra, resolve_aliases
-
-    register_hydra()
-    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
-        return hydra_compose("train", [o for o in resolve_aliases(overrides) if not o.lstrip("+~").startswith("hydra.")],
-                             return_hydra_config=hydra)
-
-
 def with_config_axes(overrides: list[str]) -> list[str]:
     """overrides + the axes the composed config (of each axis' first value) declares in
     hydra.sweeper.params whose key is not given."""
@@ -97,19 +86,9 @@ def with_config_axes(overrides: list[str]) -> list[str]:
 
 
 def parameter_counts(cfg, intermediate_size: int | None = None) -> dict[str, int]:
-    """DecoderLM.parameter_counts() of the config, built on the meta device (no memory, no init)."""
-    import torch
-    from omegaconf import open_dict
-
-    from model import DecoderLM
-    from training.config import lm_config
-
-    if intermediate_size is not None:
-        with open_dict(cfg):
-            cfg.model.intermediate_size = intermediate_size
-    vocab = cfg.data.get("vocab_size") or 8192  # the same for every job; cancels out in the matching
-    with torch.device("meta"):
-        return DecoderLM(lm_config(cfg, vocab, None)).parameter_counts()
+    """DecoderLM.parameter_counts() of the config (with this FFN width), built on the meta device; the
+    vocabulary is the same for every job, so it cancels out in the matching."""
+    return meta_model(cfg, intermediate_size).parameter_counts()
 
 
 def match_intermediate_size(cfg, target: int, which: str, multiple: int = 16) -> int:
@@ -186,19 +165,19 @@ def main(argv: list[str] | None = None) -> int:
                 job = job + [f"model.intermediate_size={match_intermediate_size(cfg, target, args.match_params)}"]
                 cfg = compose(job)
         name = f"{i}_{job_name(grid[i], overrides)}"
-        try:  # building the model checks the block options (a router option another router does not take)
-            params = parameter_counts(cfg)
+        try:  # every job checked as train.py would, before any starts
+            params = check_job(cfg, job).parameter_counts()
         except ValueError as e:
             sys.exit(f"error: job {name}: {e}")
         jobs.append({"job": i, "name": name, "overrides": job, "run_dir": str(out / name),
-                     "params": params, "status": "pending"})
+                     "params": params, "steps": cfg.trainer.max_steps, "status": "pending"})
     launcher = launcher_command(args)
     shown = "python" if args.launcher == "python" else " ".join(["accelerate launch", *launcher[3:]])
     print(f"sweep of {len(jobs)} job(s) -> {out}\nlauncher: {shown} train.py ..."
           + (f"\nW&B group (with logger=wandb): {group}" if group else ""))
     for j in jobs:
         print(f"  {j['name']}: {' '.join(j['overrides'])} | {j['params']['total'] / 1e6:.3f}M params "
-              f"({j['params']['active'] / 1e6:.3f}M active)")
+              f"({j['params']['active'] / 1e6:.3f}M active) | {j['steps']} steps")
     if args.dry_run:
         return 0
 

@@ -89,7 +89,12 @@ def test_bad_train_value_is_one_line(key, value, data):
                                        for v in bad_values(rule)])
 def test_bad_eval_value_is_one_line(key, value):
     cfg = OmegaConf.load(ROOT / "configs" / "eval.yaml")
-    OmegaConf.update(cfg, key, value)
+    if key.endswith("[]"):  # a list option: the bad value as its first element
+        key = key.removesuffix("[]")
+        OmegaConf.update(cfg, key, [value])
+        key += "[0]"
+    else:
+        OmegaConf.update(cfg, key, value)
     with pytest.raises(ValueError, match=f"^{key}={value!r}; valid: ".replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]").replace(".", r"\.")):
         check_eval_config(cfg)
@@ -125,7 +130,7 @@ def test_every_shipped_config_passes():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides,line", [
-    (["trainer.max_steps=0"], "error: trainer.max_steps=0; valid: an integer >= 1"),
+    (["trainer.max_steps=0"], "error: trainer.max_steps=0; valid: an integer >= 1 or null"),
     (["data=local", "data.path=/nonexistent/x.txt"], "error: data.path '/nonexistent/x.txt' does not exist"),
 ])
 def test_train_py_prints_one_line_and_leaves_nothing(tmp_path, overrides, line):

@@ -52,7 +52,9 @@ def setup(cfg: DictConfig) -> Run:
     from training import linearize
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
     from training.parallel import apply_expert_parallel
+    from training.budget import set_steps_from_budget
     from training.perf import device_peak
+    from training.validation import check_steps
 
     t_start = time.time()
     tc = cfg.trainer
@@ -94,6 +96,9 @@ def setup(cfg: DictConfig) -> Run:
         if not any(p.requires_grad for p in lm.parameters()):
             raise ValueError(f"trainer.trainable={list(tc.trainable)} matches no parameter name")
     counts = lm.parameter_counts()  # of the whole model, before expert parallelism keeps a rank's share
+    flops_per_token = 3 * lm.flops_per_token(tc.seq_len)  # training: forward + backward
+    if budget_line := set_steps_from_budget(cfg, flops_per_token):
+        check_steps(cfg)
     if tc.expert_parallel > 1 and state.distributed_type == DistributedType.FSDP:
         raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
     expert_mesh = apply_expert_parallel(lm, tc.expert_parallel, world, "cuda" if use_cuda else "cpu")
@@ -115,7 +120,6 @@ def setup(cfg: DictConfig) -> Run:
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is not prepared: Accelerate would step it once per process.
 
-    flops_per_token = 3 * lm.flops_per_token(tc.seq_len)  # training: forward + backward
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
               optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
               scheduler=scheduler, micro=micro,
@@ -147,7 +151,8 @@ def setup(cfg: DictConfig) -> Run:
         (run_dir / "run_info.json").write_text(json.dumps({
             "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
             "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
-            "train_flops_per_token": flops_per_token, "processes": world, "expert_parallel": tc.expert_parallel,
+            "train_flops_per_token": flops_per_token, "max_steps": tc.max_steps,
+            "train_flops": tc.max_steps * run.tokens_per_step * flops_per_token, "processes": world, "expert_parallel": tc.expert_parallel,
             "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
             "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
             "data": cfg.data.name, "data_info": data.info, "group": group}, indent=1))
@@ -156,6 +161,8 @@ def setup(cfg: DictConfig) -> Run:
         f"layers {lm.config.layer_mixers} x {lm.config.layer_ffns} | {len(data.train)} train / "
         f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}")
     accelerator.print(run.peak.describe())
+    if budget_line:
+        accelerator.print(budget_line)
     if linearization is not None:
         accelerator.print(linearization.describe(tc.max_steps))
     return run

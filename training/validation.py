@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from omegaconf import OmegaConf
 
 from model.config import PARAMETRIZATIONS, PER_MIXER
+from training.budget import given_budget
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,9 @@ TRAIN_RULES = {
     "trainer.batch_size": positive(),
     "trainer.grad_accum": positive(),
     "trainer.expert_parallel": positive(),
-    "trainer.max_steps": positive(),
+    "trainer.max_steps": positive(nullable=True),  # null: set by a budget (training/budget.py)
+    "trainer.flops_budget": Rule(float, above=0, nullable=True),
+    "trainer.tokens_budget": Rule(float, above=0, nullable=True),
     "trainer.lr": Rule(float, at_least=0),  # 0: evaluate without training (scripts/dsa_extend.py's references)
     "trainer.min_lr_ratio": Rule(float, at_least=0, at_most=1),
     "trainer.warmup_steps": count(),
@@ -134,6 +137,15 @@ EVAL_RULES = {
     "num_fewshot": count(nullable=True),
     "lm_eval_batch_size": positive(),
     "wandb": FLAG,
+    "suite[]": Rule(str, choices=("length", "recall", "decode")),
+    "length_factors[]": Rule(int, choices=(1, 2, 4, 8, 16, 32)),  # band kx is ((k/2) T, k T]
+    "length_batches": positive(),
+    "recall_contexts[]": Rule(int, at_least=32),  # room for the needle, the query and the answer
+    "recall_depths[]": Rule(float, at_least=0, at_most=1),
+    "recall_trials": positive(),
+    "mqar_examples": positive(),
+    "decode_contexts[]": positive(),
+    "decode_tokens": positive(),
     **{f"data.{k.removeprefix('data.')}": v for k, v in TRAIN_RULES.items() if k.startswith("data.")},
 }
 
@@ -178,16 +190,15 @@ def check_train_config(cfg) -> None:
     if cfg.data.get("tokenizer") == "bpe" and cfg.data.vocab_size < 257:
         raise ValueError(f"data.vocab_size={cfg.data.vocab_size}; valid: >= 257 with data.tokenizer=bpe "
                          f"(its 256 byte tokens and EOS)")
-    if tc.warmup_steps > tc.max_steps:
-        raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid: <= trainer.max_steps={tc.max_steps}")
-    decay = int(tc.max_steps * tc.wsd_decay_fraction)
-    if tc.schedule == "wsd" and tc.warmup_steps + decay > tc.max_steps:
-        raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid with schedule=wsd: <= trainer.max_steps - "
-                         f"the {decay} decay steps (wsd_decay_fraction={tc.wsd_decay_fraction}) = {tc.max_steps - decay}")
+    if tc.get("flops_budget") is not None and tc.get("tokens_budget") is not None:
+        raise ValueError(f"trainer.flops_budget={tc.flops_budget:g} and trainer.tokens_budget={tc.tokens_budget:g}; "
+                         f"valid: one of them")
+    if tc.max_steps is None and given_budget(tc) is None:
+        raise ValueError("trainer.max_steps=null; valid: a positive integer, or null with trainer.flops_budget or "
+                         "trainer.tokens_budget (which set it)")
+    if tc.max_steps is not None:  # with a budget, training/run.py checks these once it has set the steps
+        check_steps(cfg)
     lc = cfg.get("linearize")  # absent from the saved config of a run started before it existed
-    if lc is not None and lc.transfer_steps + lc.distill_steps > tc.max_steps:
-        raise ValueError(f"linearize.transfer_steps={lc.transfer_steps} + linearize.distill_steps={lc.distill_steps}; "
-                         f"valid: <= trainer.max_steps={tc.max_steps} (the stages are the run's first steps)")
     if lc is not None and lc.transfer_steps + lc.distill_steps and not cfg.init_from:
         raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} with "
                          f"init_from=null; valid: init_from=<the softmax teacher: run dir or HF dir>")
@@ -196,6 +207,20 @@ def check_train_config(cfg) -> None:
         if OmegaConf.is_list(given) and len(given) != m.num_hidden_layers:
             raise ValueError(f"model.{group} lists {len(given)} layers; valid: one name per layer "
                              f"(model.num_hidden_layers={m.num_hidden_layers}), one name, or null")
+
+
+def check_steps(cfg) -> None:
+    """The checks that need trainer.max_steps: the warm-up and decay fit in it, so do linearize's stages."""
+    tc, lc = cfg.trainer, cfg.get("linearize")  # linearize is absent from the saved config of a run started before it
+    if tc.warmup_steps > tc.max_steps:
+        raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid: <= trainer.max_steps={tc.max_steps}")
+    decay = int(tc.max_steps * tc.wsd_decay_fraction)
+    if tc.schedule == "wsd" and tc.warmup_steps + decay > tc.max_steps:
+        raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid with schedule=wsd: <= trainer.max_steps - "
+                         f"the {decay} decay steps (wsd_decay_fraction={tc.wsd_decay_fraction}) = {tc.max_steps - decay}")
+    if lc is not None and lc.transfer_steps + lc.distill_steps > tc.max_steps:
+        raise ValueError(f"linearize.transfer_steps={lc.transfer_steps} + linearize.distill_steps={lc.distill_steps}; "
+                         f"valid: <= trainer.max_steps={tc.max_steps} (the stages are the run's first steps)")
 
 
 def check_eval_config(cfg) -> None:
