@@ -191,7 +191,7 @@ def train(cfg: DictConfig) -> float:
         stage_ends = linearize.stage_ends(cfg.linearize, tc.max_steps)
         if run.step == 0:  # the student as it starts: the teacher's weights, its own mixers (zero-shot)
             zero_shot = evaluate(run)
-            metrics.log({**zero_shot, "tokens_seen": 0}, 0)
+            metrics.log({**zero_shot, "tokens_seen": 0, "flops_seen": 0}, 0)
             a.print(f"step 0 (zero-shot): val loss {zero_shot['val/loss']:.4f}"
                     + (f", bpb {zero_shot['val/bpb']:.4f}" if "val/bpb" in zero_shot else ""))
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not a.is_main_process, dynamic_ncols=True)
@@ -220,7 +220,8 @@ def train(cfg: DictConfig) -> float:
                 bar.write(f"step {step}" + (f" (end of {stage_ends[step]})" if step in stage_ends else "")
                           + f": val loss {log['val/loss']:.4f}" + (f", bpb {log['val/bpb']:.4f}" if "val/bpb" in log else ""))
         if log:
-            metrics.log({**log, "tokens_seen": step * run.tokens_per_step}, step)
+            tokens = step * run.tokens_per_step  # and training FLOPs so far, the x-axis of an equal-compute comparison
+            metrics.log({**log, "tokens_seen": tokens, "flops_seen": tokens * run.flops_per_token}, step)
         stopping = a.reduce(torch.tensor(float(stop.signal is not None), device=a.device), reduction="sum").item() > 0
         if (step % tc.ckpt_every == 0 and not last) or stopping:
             save(run)

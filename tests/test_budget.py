@@ -82,7 +82,8 @@ def test_a_budget_run_records_its_steps(tmp_path, data_cache):
     assert f"trainer.flops_budget=2.6e+09: {steps} steps x 256 tokens" in out
     assert info["max_steps"] == steps and info["train_flops"] == steps * per_step
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert max(r["step"] for r in rows) == steps
+    last = max(rows, key=lambda r: r["step"])
+    assert last["step"] == steps and last["flops_seen"] == steps * per_step  # the x-axis of an equal-compute plot
     saved = (run / "config.yaml").read_text()
     assert f"max_steps: {steps}" in saved and "flops_budget: 2600000000.0" in saved
 
