@@ -2,7 +2,9 @@
 
 Loss, perplexity and bits per byte on the val split the model was trained on (or `data=...`), the
 loss by position (a PNG), generation samples with decode tokens/s, and lm-evaluation-harness tasks
-(`tasks=[lambada_openai,hellaswag]`, with requirements-eval.txt installed). Results go to
+(`tasks=[lambada_openai,hellaswag]`, with requirements-eval.txt installed), and the suites
+`suite=[length,recall,decode]` (training/suites.py: loss past the training length, passkey or MQAR
+recall, decode speed, memory and cache bytes against the context, each with a PNG). Results go to
 <model dir>/eval/eval.json (and the PNG), and into the training run's W&B run, if it had one, under
 eval/ (eval/step_N/ for a mid-run checkpoint). scripts/compare.py shows them as columns. A MoE whose
 router is not causal (expert_choice, balanced) is also scored with its training routing over each
@@ -76,12 +78,21 @@ def evaluate(cfg: DictConfig) -> dict:
                                  cfg.lm_eval_batch_size)
         report["lm_eval"] = results
         scores.update({f"lm_eval/{task}/{metric}": v for task, metrics in results.items() for metric, v in metrics.items()})
-    report["scores"] = scores
 
-    # Outputs: <model dir>/eval/, then the training run's W&B run.
+    # Suites: loss past the training length, recall, decode speed and memory (training/suites.py).
     out = Path(cfg.out_dir) if cfg.out_dir else folder / "eval"
     out.mkdir(parents=True, exist_ok=True)
     images = []
+    if cfg.suite:
+        from training.suites import run_suites
+
+        parts, suite_scores, images = run_suites(cfg, lm, data, data_cfg, train_cfg.trainer.seq_len, device, out,
+                                                 f"{folder.parent.name}/{folder.name}")
+        report.update(parts)
+        scores.update(suite_scores)
+    report["scores"] = scores
+
+    # Outputs: <model dir>/eval/, then the training run's W&B run.
     if "per_position_loss" in report:
         images.append(plot_per_position(report["per_position_loss"], f"{folder.parent.name}/{folder.name}",
                                         out / "per_position_loss.png"))
@@ -91,7 +102,7 @@ def evaluate(cfg: DictConfig) -> dict:
         print(f"{key:<40} {value:.4f}" if isinstance(value, float) else f"{key:<40} {value}")
     for text in report.get("samples", []):
         print("---\n" + text)
-    print(f"wrote {out / 'eval.json'}" + (f" and {images[0]}" if images else ""))
+    print(f"wrote {out / 'eval.json'}" + "".join(f", {p.name}" for p in images))
     if cfg.wandb:
         from training.tracking import log_evaluation
 
