@@ -12,15 +12,27 @@ Inputs (any mix, from any number of sweeps):
 A run without val metrics, or a local run without final/, or a W&B run that did not finish, is
 skipped with a note.
 
-Writes to --out (default reports/<date>_<time>): compare.md, compare.csv and
+Writes to --out (default reports/<date>_<time>):
+- compare.md, compare.csv: one row per run. compare.md opens with the budget the runs compare at: "equal FLOPs
+  (trainer.flops_budget=...)", "equal tokens (trainer.tokens_budget=...)", "equal steps (trainer.max_steps=N,
+  tokens=...)" (steps, batch and seq_len shared), else "mixed budgets: ..." with each budget's run count;
+  train_flops is the final tokens x run_info.json's train_flops_per_token (rebuilt from the config if absent);
 - val_loss_tokens.png, val_loss_time.png: val loss against tokens seen and wall-clock seconds;
+- val_bpb_flops.png, val_bpb_time.png: val bpb (val loss unless every run has bpb) against training FLOPs
+  (tokens seen x train_flops_per_token, log x) and wall-clock seconds;
 - throughput.png: training tokens/s per run (MFU in the label);
 - moe_load.png: per-expert share of routed tokens (layer x expert) at the last log, one panel per
   MoE run (W&B runs log each expert's load as its own scalar, moe/layer<i>/expert<j>/load);
 - mqar_state.png, mqar_width.png (runs with val/mqar_acc): MQAR accuracy against recurrent state
   size (numbers held by the decode cache per sequence after seq_len tokens, summed over layers:
   softmax K/V = 2 L T H_kv d_head, gdn/linear H K V (+ normaliser/conv buffers), mamba2 H P N
-  (+ conv)) and against d_model, one line per mixer, as in zoology.
+  (+ conv)) and against d_model, one line per mixer, as in zoology;
+- from eval.py's suites in <run>/final/eval/eval.json (a run without a suite's block is left out of its plots):
+  length.png (loss by position at the longest length evaluated, log x, a line at the training length) and the
+  table "Loss by length" in compare.md (loss per band: 1x, 2x, ... the training length); recall_state.png (recall
+  accuracy against decode-cache bytes at the largest context every run's recall and decode suites share, coloured
+  by mixer, as zoology); recall_throughput.png (recall/acc against decode tokens/s at the largest context every
+  run decoded, as Based); decode.png (decode tokens/s and cache bytes against the context).
 MoE runs show their router in the ffn column (moe:expert_choice; top-k is plain moe) and the last
 logged moe/dead_experts, moe/unrouted_frac, moe/token_choice_overlap and val/batch_routing/bpb
 (docs/moe.md). Columns also give the W&B group and eval.py's scores (eval/..., from <run>/final/eval/eval.json and
@@ -28,20 +40,30 @@ checkpoints/step_N/eval/eval.json, or the W&B run's summary). Parameter counts c
 config (on the meta device) and counted.
 
 --best-over KEY (a dotted config key, e.g. trainer.lr): runs whose configs differ only in KEY and seed
-are one architecture. Per architecture and KEY value the score (MQAR accuracy if every run of the
-architecture has one, else val loss) is averaged over seeds; the table "best KEY per architecture"
-gives the best value's mean, min-max over seeds and every value's mean, and best_<KEY>/<arch>.png
-plots the score against KEY (every seed a dot, the mean a line; log x), as muP / zoology do;
-best_<KEY>/all_val_loss.png (all_mqar_acc.png) puts every architecture on one axis when KEY is numeric
-(val loss against ffn.options.num_experts per router, say). A second
-table gives, at each architecture's best KEY, the mean over seeds of val_bpb, tokens/s and the MoE
-routing columns. Architectures with the same blocks and width are named by the options that differ.
-The MQAR plots then show each architecture at its best KEY.
+are one architecture; runs at different budgets are different architectures (a budget's derived
+trainer.max_steps aside), each budget with its own tables, named in the heading. Per architecture and
+KEY value the score (MQAR accuracy if every run of the architecture has one, else val loss) is averaged
+over seeds; the table "best KEY per architecture" gives the best value's mean, min-max over seeds, every
+value's mean and an edge flag: "low edge" / "high edge" when the best is the smallest / largest value swept
+(numeric KEY), "single value" when only one was. Each flagged architecture gets a bold warning under the
+table and a console line with the scripts/sweep.py command that sweeps one step beyond (its best run's
+overrides from .hydra/overrides.yaml, else the config entries that tell it from the others; KEY continuing
+the grid's ratio; its seeds). best_<KEY>/<arch>.png plots the score against KEY (every seed a dot, the
+mean a line; log x), as muP / zoology do; best_<KEY>/all_val_loss.png (all_mqar_acc.png) puts every
+architecture on one axis when KEY is numeric (val loss against ffn.options.num_experts per router, say). A
+second table gives, at each architecture's best KEY, the mean over seeds of val_bpb, tokens/s, train_flops
+and the MoE routing columns. Architectures with the same blocks and width are named by the options that
+differ. compare.csv gains each run's architecture and edge; best_over.json holds per architecture its
+budget, score, best value, means, edge, the values beyond it and the command. With --wandb, the runs at a
+flagged architecture's best value get the W&B tag best-on-grid-edge (removed from the others; a failure is
+a note). The MQAR and suite plots then show each architecture at its best KEY (the suite blocks averaged
+over seeds).
 """
 import argparse
 import csv
 import json
 import re
+import shlex
 import statistics
 import struct
 import sys
@@ -55,7 +77,7 @@ from training.tracking import schedule_tag
 
 ROOT = Path(__file__).resolve().parents[1]
 
-COLUMNS = ["run", "group", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "val_loss",
+COLUMNS = ["run", "group", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "train_flops", "budget", "val_loss",
            "val_ppl", "val_bpb", "val_bpb_batch_routing", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s",
            "moe_imbalance", "moe_dead_experts", "moe_unrouted_frac", "moe_token_choice_overlap", "mqar_acc",
            "state_size", "source"]
@@ -72,6 +94,10 @@ class Run:
     note: str = ""
     summary: dict = field(default_factory=dict)  # eval.py's scores under eval/ (eval/step_N/ for a checkpoint)
     group: str = ""
+    info: dict = field(default_factory=dict)  # run_info.json
+    report: dict = field(default_factory=dict)  # eval.py's final/eval/eval.json (its suites' blocks)
+    overrides: list[str] | None = None  # train.py's command-line overrides (Hydra's .hydra/overrides.yaml)
+    handle: object = None  # the wandb.Api run it was read from
 
     def __post_init__(self):
         from training.config import with_current_names
@@ -86,13 +112,18 @@ def read_local(run_dir: Path) -> Run:
     cfg_file = next((p for p in (run_dir / "config.yaml", run_dir / "final" / "training_config.yaml") if p.exists()), None)
     config = OmegaConf.to_container(OmegaConf.load(cfg_file)) if cfg_file else {}
     info = json.loads((run_dir / "run_info.json").read_text()) if (run_dir / "run_info.json").exists() else {}
-    run = Run(run_dir.name, str(run_dir), config, read_metrics(run_dir), info.get("params"), group=info.get("group") or "")
+    overrides = run_dir / ".hydra" / "overrides.yaml"
+    run = Run(run_dir.name, str(run_dir), config, read_metrics(run_dir), info.get("params"), group=info.get("group") or "",
+              info=info, overrides=OmegaConf.to_container(OmegaConf.load(overrides)) if overrides.exists() else None)
     if not (run_dir / "final").exists():
         run.complete, run.note = False, "no final/ (unfinished or failed)"
     for report in [run_dir / "final" / "eval" / "eval.json", *sorted(run_dir.glob("checkpoints/step_*/eval/eval.json"))]:
         if report.exists():
+            data = json.loads(report.read_text())
             prefix = "eval/" if report.parts[-3] == "final" else f"eval/{report.parts[-3]}/"
-            run.summary.update({prefix + k: v for k, v in json.loads(report.read_text()).get("scores", {}).items()})
+            run.summary.update({prefix + k: v for k, v in data.get("scores", {}).items()})
+            if prefix == "eval/":
+                run.report = data
     return run
 
 
@@ -189,7 +220,7 @@ def read_wandb_api(path: str) -> list[Run]:
     for r in wandb.Api().runs("/".join(parts[:2]), filters=filters):
         config = {k: v for k, v in r.config.items() if not k.startswith("_")}
         run = Run(r.name, r.url, config, [history_row(h) for h in r.scan_history()], config.pop("params", None),
-                  summary={k: v for k, v in r.summary.items() if k.startswith("eval/")}, group=r.group or "")
+                  summary={k: v for k, v in r.summary.items() if k.startswith("eval/")}, group=r.group or "", handle=r)
         if r.state != "finished":
             run.complete, run.note = False, f"W&B state {r.state}"
         runs.append(run)
@@ -318,10 +349,35 @@ def wall_clock(rows: list[dict]) -> list[tuple[int, float]]:
     return out
 
 
+def budget(config: dict) -> tuple[str, str]:
+    """(axis, setting) of the budget a run trained for: its trainer.flops_budget, else its trainer.tokens_budget
+    (either set its max_steps), else its steps and batch."""
+    t = config.get("trainer") or {}
+    for key, axis in (("flops_budget", "FLOPs"), ("tokens_budget", "tokens")):
+        if t.get(key) is not None:
+            return axis, f"trainer.{key}={t[key]:g}"
+    steps, batch, seq_len = t.get("max_steps"), t.get("batch_size"), t.get("seq_len")
+    tokens = steps * batch * seq_len if steps and batch and seq_len else None
+    return "steps", f"trainer.max_steps={steps}, tokens={fmt(tokens, 'tokens')}"
+
+
+def budget_line(configs: list[dict]) -> str:
+    """The budget the runs compare at: 'equal FLOPs (trainer.flops_budget=...)', 'equal tokens (...)', 'equal
+    steps (...)', or 'mixed budgets: ...' with each budget's run count."""
+    budgets = [budget(c) for c in configs]
+    counts = {b: budgets.count(b) for b in budgets}
+    if len(counts) == 1:
+        return f"equal {budgets[0][0]} ({budgets[0][1]})"
+    return "mixed budgets: " + "; ".join(f"{setting} ({n} run{'s' * (n > 1)})" for (_, setting), n in counts.items())
+
+
 def summarize_run(run: Run) -> dict:
     c, rows = run.config, run.rows
-    if run.params is None and c:
-        run.params = build_model(c, meta=True).parameter_counts()
+    if c and (run.params is None or run.info.get("train_flops_per_token") is None):  # rebuilt as training/run.py counts
+        model = build_model(c, meta=True)
+        run.params = run.params or model.parameter_counts()
+        run.info.setdefault("train_flops_per_token", 3 * model.flops_per_token(c["trainer"]["seq_len"]))
+    flops_per_token, tokens = run.info.get("train_flops_per_token"), last(rows, "tokens_seen")
     mixer = cfg_get(c, "model.mixer") or cfg_get(c, "mixer.name") or cfg_get(c, "arch.mixer")
     ffn = cfg_get(c, "model.ffn") or cfg_get(c, "ffn.name") or cfg_get(c, "arch.ffn")
     router = cfg_get(c, "ffn.options.router")
@@ -333,7 +389,8 @@ def summarize_run(run: Run) -> dict:
         "ffn": schedule_tag(ffn) if isinstance(ffn, list) else ffn, "d_model": cfg_get(c, "model.hidden_size"),
         "layers": cfg_get(c, "model.num_hidden_layers"),
         "params_total": (run.params or {}).get("total"), "params_active": (run.params or {}).get("active"),
-        "tokens": last(rows, "tokens_seen"), "val_loss": last(rows, "val/loss"), "val_ppl": last(rows, "val/ppl"),
+        "tokens": tokens, "train_flops": tokens * flops_per_token if tokens is not None and flops_per_token else None,
+        "train_flops_per_token": flops_per_token, "val_loss": last(rows, "val/loss"), "val_ppl": last(rows, "val/ppl"),
         "val_bpb": last(rows, "val/bpb"), "tokens_per_sec": median_after_first(rows, "perf/tokens_per_sec"),
         "mfu": median_after_first(rows, "perf/mfu"),
         "peak_mem_gb": max((r["perf/peak_mem_gb"] for r in rows if "perf/peak_mem_gb" in r), default=None),
@@ -341,7 +398,7 @@ def summarize_run(run: Run) -> dict:
         "val_bpb_batch_routing": last(rows, "val/batch_routing/bpb"), "moe_dead_experts": last(rows, "moe/dead_experts"),
         "moe_unrouted_frac": last(rows, "moe/unrouted_frac"), "moe_token_choice_overlap": last(rows, "moe/token_choice_overlap"),
         "mqar_acc": last(rows, "val/mqar_acc"), "state_size": None, "group": run.group or None, "source": run.source,
-        **{k: v for k, v in run.summary.items() if k.startswith("eval/") and isinstance(v, (int, float))},
+        "budget": budget(c)[1], **{k: v for k, v in run.summary.items() if k.startswith("eval/") and isinstance(v, (int, float))},
     }
     if s["mqar_acc"] is not None and c:
         s["state_size"] = state_size(c)
@@ -358,6 +415,8 @@ def fmt(value, key: str) -> str:
         return f"{value / 1e6:.2f}M" if value >= 1e6 else f"{value / 1e3:.1f}k" if value >= 1e4 else str(int(value))
     if key == "mfu":
         return f"{100 * value:.1f}%"
+    if key == "train_flops":
+        return f"{value:.3g}"
     if isinstance(value, float):
         return f"{value:.0f}" if abs(value) >= 1000 else f"{value:.4g}"
     return str(value)
@@ -367,6 +426,25 @@ def markdown_table(summaries: list[dict], columns: list[str]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(s.get(c), c) for c in columns) + " |" for s in summaries]
     return "\n".join(lines)
+
+
+CURVE_AXES = {"tokens": "tokens seen", "time": "wall-clock (s)",
+              "flops": "training FLOPs (tokens seen x train FLOPs per token)"}
+
+
+def curve(run: Run, summary: dict, x: str, metric: str) -> list[tuple[float, float]]:
+    """(x, metric) at each of the run's logs of metric; x (CURVE_AXES): tokens seen, wall-clock seconds, or training
+    FLOPs = tokens seen x run_info.json's train_flops_per_token (a row's own flops_seen where it has one; the
+    zero-FLOPs log before training is left out of that log axis)."""
+    clock, per_token = dict(wall_clock(run.rows)), summary["train_flops_per_token"]
+
+    def flops(row):
+        if "flops_seen" in row:
+            return row["flops_seen"] or None
+        return row["tokens_seen"] * per_token if row.get("tokens_seen") and per_token else None
+
+    at = {"tokens": lambda r: r.get("tokens_seen"), "time": lambda r: clock.get(r["step"]), "flops": flops}[x]
+    return [(at(r), r[metric]) for r in run.rows if metric in r and at(r) is not None]
 
 
 def plot_all(runs: list[Run], summaries: list[dict], out: Path, mqar_points: list[dict] | None = None) -> list[Path]:
@@ -385,19 +463,19 @@ def plot_all(runs: list[Run], summaries: list[dict], out: Path, mqar_points: lis
         plt.close(fig)
         written.append(out / name)
 
-    for xkey, name, xlabel in (("tokens", "val_loss_tokens.png", "tokens seen"),
-                               ("time", "val_loss_time.png", "wall-clock (s)")):
+    bpb = "val/bpb" if all(s["val_bpb"] is not None for s in summaries) else "val/loss"
+    for name, x, metric in (("val_loss_tokens.png", "tokens", "val/loss"), ("val_loss_time.png", "time", "val/loss"),
+                            ("val_bpb_flops.png", "flops", bpb), ("val_bpb_time.png", "time", bpb)):
+        curves = [(s["run"], pts) for run, s in zip(runs, summaries) if (pts := curve(run, s, x, metric))]
+        if not curves:
+            continue
         fig, ax = plt.subplots(figsize=(7, 4.5))
-        for run, s in zip(runs, summaries):
-            if xkey == "tokens":
-                pts = [(r["tokens_seen"], r["val/loss"]) for r in run.rows if "val/loss" in r and "tokens_seen" in r]
-            else:
-                clock = dict(wall_clock(run.rows))
-                pts = [(clock[r["step"]], r["val/loss"]) for r in run.rows if "val/loss" in r and r["step"] in clock]
-            if pts:
-                ax.plot(*zip(*pts), "o-", ms=3, label=s["run"])
-        ax.set_xlabel(xlabel)
-        ax.set_ylabel("val loss (nats/token)")
+        for label, pts in curves:
+            ax.plot(*zip(*pts), "o-", ms=3, label=label)
+        if x == "flops":
+            ax.set_xscale("log")
+        ax.set_xlabel(CURVE_AXES[x])
+        ax.set_ylabel("val bpb" if metric == "val/bpb" else "val loss (nats/token)")
         ax.legend(fontsize=7)
         ax.grid(alpha=0.3)
         save(fig, name)
@@ -449,7 +527,10 @@ def style_mqar_axes(ax, xlabel: str) -> None:
 
 
 # ---- best over a swept key ---------------------------------------------------------------------------
-RUN_KEYS = ("seed", "run_dir", "resume", "init_from", "logger", "name")  # differ between runs of one architecture
+RUN_ONLY = ("seed", "run_dir", "resume", "init_from", "name")  # a run's own keys: not in the command that extends a grid
+RUN_KEYS = (*RUN_ONLY, "logger")  # differ between runs of one architecture
+BUDGET_KEYS = ("trainer.flops_budget", "trainer.tokens_budget", "trainer.max_steps")
+EDGE_TAG = "best-on-grid-edge"  # the W&B tag of the runs at a flagged architecture's best value
 
 
 @dataclass
@@ -458,6 +539,8 @@ class Architecture:
     score: str  # "mqar_acc" (higher is better) or "val_loss" (lower is better)
     runs: dict = field(default_factory=dict)  # KEY value -> [summary of each seed's run]
     summary: dict = field(default_factory=dict)  # the first run's summary (mixer, d_model, state_size, ...)
+    members: dict = field(default_factory=dict)  # KEY value -> [Run of each seed]
+    config: dict = field(default_factory=dict)  # the flat config its runs share (without KEY and RUN_KEYS)
 
     @property
     def points(self) -> dict:
@@ -472,9 +555,34 @@ class Architecture:
         pick = max if self.score == "mqar_acc" else min
         return pick(means, key=means.get)
 
+    def edge(self) -> tuple[str | None, list]:
+        return grid_edge(list(self.means()), self.best())
+
+    def budget(self) -> str:
+        return budget_line([r.config for members in self.members.values() for r in members])
+
+
+def grid_edge(values: list, best) -> tuple[str | None, list]:
+    """Where the best of the swept values lies: (None, []) strictly inside the grid; ("low edge" or "high edge",
+    [the value one step beyond it]), the step continuing the grid's ratio at that end (its difference where a value
+    there is <= 0); ("single value", [best / 2, best * 2]). Names (non-numeric values) are flagged only as a
+    single value, with nothing beyond."""
+    values = sorted(set(values))
+    numeric = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)
+    if len(values) == 1:
+        flag, beyond = "single value", [best / 2, best * 2] if numeric else []
+    elif not numeric or values[0] < best < values[-1]:
+        return None, []
+    else:
+        end, inner = (values[0], values[1]) if best == values[0] else (values[-1], values[-2])
+        flag, beyond = ("low edge" if best == values[0] else "high edge"), [end * end / inner if end > 0 and inner > 0
+                                                                            else 2 * end - inner]
+    return flag, [round(v) for v in beyond] if all(isinstance(v, int) for v in values) else beyond
+
 
 def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> list[Architecture]:
-    """Runs grouped by their config without `key` and the per-run keys (RUN_KEYS), in first-seen order."""
+    """Runs grouped by their config without `key` and the per-run keys (RUN_KEYS), in first-seen order; runs at
+    different budgets are different architectures (trainer.max_steps is left out where a budget set it)."""
     groups: dict[str, list[tuple[Run, dict]]] = {}
     for run, s in zip(runs, summaries):
         config = json.loads(json.dumps(run.config, default=str))
@@ -482,6 +590,8 @@ def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> lis
         (cfg_get(config, parent) if parent else config).pop(leaf)
         for k in RUN_KEYS:
             config.pop(k, None)
+        if budget(run.config)[0] != "steps":
+            config.get("trainer", {}).pop("max_steps", None)
         groups.setdefault(json.dumps(config, sort_keys=True), []).append((run, s))
     archs, seen = [], {}  # label -> the flat config of the first architecture with it
     for config_json, members in groups.items():
@@ -494,9 +604,10 @@ def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> lis
                                     for k in sorted(base.keys() | config.keys()) if base.get(k) != config.get(k))
         seen.setdefault(label, config)
         score = "mqar_acc" if all(s["mqar_acc"] is not None for _, s in members) else "val_loss"
-        arch = Architecture(label, score, summary=first)
+        arch = Architecture(label, score, summary=first, config=config)
         for run, s in members:
             arch.runs.setdefault(cfg_get(run.config, key), []).append(s)
+            arch.members.setdefault(cfg_get(run.config, key), []).append(run)
         archs.append(arch)
     return archs
 
@@ -506,20 +617,128 @@ def value_text(v) -> str:
     return f"{v:g}" if isinstance(v, (int, float)) and not isinstance(v, bool) else str(v)
 
 
+def hydra_value(v) -> str:
+    if isinstance(v, list):
+        return "[" + ",".join(map(hydra_value, v)) + "]"
+    return "null" if v is None else str(v).lower() if isinstance(v, bool) else str(v)
+
+
+def distinguishing_overrides(arch: Architecture, archs: list[Architecture]) -> list[str]:
+    """The config entries in which this architecture differs from the others, as train.py overrides: a group's
+    choice (mixer=gdn) for its name, the group's options only where they differ among architectures of that choice."""
+    def differ(k, among):
+        return len({json.dumps(a.config.get(k)) for a in among}) > 1
+
+    out = []
+    for k, v in arch.config.items():
+        group = k.partition(".")[0]
+        choice = arch.config.get(f"{group}.name")
+        if not differ(k, archs):
+            continue
+        if k == f"{group}.name":
+            out.append(f"{group}={v}")
+        elif choice is None or differ(k, [a for a in archs if a.config.get(f"{group}.name") == choice]):
+            out.append(f"{k}={hydra_value(v)}")
+    return out
+
+
+def extension_command(arch: Architecture, archs: list[Architecture], key: str, beyond: list) -> str:
+    """scripts/sweep.py with the architecture's overrides (its best run's own command line, else the config entries
+    that tell it from the others), KEY at the values beyond the grid, and the same seeds."""
+    best = arch.members[arch.best()]
+    given = best[0].overrides
+    if given is None:
+        overrides = distinguishing_overrides(arch, archs)
+    else:
+        names = [o.lstrip("+~").partition("=")[0] for o in given]
+        overrides = [o for o, k in zip(given, names) if k != key and k.split(".")[0] not in RUN_ONLY]
+    seeds = sorted({r.config["seed"] for r in best if r.config.get("seed") is not None})
+    args = [*overrides, f"{key}={','.join(value_text(v) for v in beyond)}"]
+    args += [f"seed={','.join(map(str, seeds))}"] if seeds else []
+    return "python scripts/sweep.py " + " ".join(map(shlex.quote, args))
+
+
+def edge_warning(arch: Architecture, archs: list[Architecture], key: str) -> str | None:
+    """One line for an architecture whose best KEY is at the edge of its grid (or the only value swept), with the
+    command that extends the grid; None when the best is strictly inside."""
+    flag, beyond = arch.edge()
+    if flag is None:
+        return None
+    line = f"{arch.label}: {edge_text(key, arch.best(), list(arch.means()), flag)}"
+    return line + (f"; extend it: {extension_command(arch, archs, key, beyond)}" if beyond else "")
+
+
+def edge_text(key: str, best, values: list, flag: str) -> str:
+    """'best trainer.lr 0.02 is at the high edge of the grid (0.005, 0.01, 0.02)' (flag from grid_edge)."""
+    where = "the only value swept" if flag == "single value" else f"at the {flag} of the grid"
+    return f"best {key} {value_text(best)} is {where} ({', '.join(value_text(v) for v in sorted(values))})"
+
+
 def best_over_table(archs: list[Architecture], key: str) -> str:
-    lines = [f"| architecture | score | best {key} | mean | min-max | seeds | mean at every {key} |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [f"| architecture | score | best {key} | edge | mean | min-max | seeds | mean at every {key} |",
+             "|---|---|---|---|---|---|---|---|"]
     for a in archs:
         best = a.best()
         scores = a.points[best]
         every = ", ".join(f"{value_text(v)}: {m:.4g}" for v, m in a.means().items())
-        lines.append(f"| {a.label} | {a.score} | {value_text(best)} | {statistics.mean(scores):.4g} | "
+        lines.append(f"| {a.label} | {a.score} | {value_text(best)} | {a.edge()[0] or '-'} | {statistics.mean(scores):.4g} | "
                      f"{min(scores):.4g}-{max(scores):.4g} | {len(scores)} | {every} |")
     return "\n".join(lines)
 
 
+def best_over_sections(archs: list[Architecture], key: str) -> tuple[list[str], list[str]]:
+    """compare.md's best-KEY tables, one pair per budget (one in all when KEY is a budget), each flagged
+    architecture's warning in bold under its table; and the warnings."""
+    by_budget: dict[str, list[Architecture]] = {}
+    for a in archs:
+        by_budget.setdefault("" if key in BUDGET_KEYS else a.budget(), []).append(a)
+    md, warnings = [], []
+    for budget_text, group in by_budget.items():
+        lines = [w for a in group if (w := edge_warning(a, archs, key))]
+        warnings += lines
+        md += [f"## Best {key} per architecture" + (f", {budget_text}" if budget_text else ""), "",
+               best_over_table(group, key), "", *[f"**Warning: {w}**\n" for w in lines],
+               f"score: MQAR accuracy (higher is better) or val loss (lower is better) at the last evaluation, "
+               f"mean and min-max over seeds at the best {key}; edge: the best is the lowest or highest {key} swept "
+               f"(or the only one): the optimum may lie beyond. Every point is in best_{key.replace('.', '_')}/"
+               f"<architecture>.png and in the table of every run.", "", f"At the best {key}, means over seeds:", "",
+               at_best_table(group, key), ""]
+    return md, warnings
+
+
+def edge_report(archs: list[Architecture], key: str) -> list[dict]:
+    """best_over.json: per architecture its budget, score, best value, mean at every value, edge flag, the values
+    beyond the edge and the command that sweeps them, and the runs at its best value."""
+    out = []
+    for a in archs:
+        flag, beyond = a.edge()
+        out.append({"architecture": a.label, "key": key, "budget": a.budget(), "score": a.score, "best": a.best(),
+                    "means": [[v, m] for v, m in a.means().items()], "edge": flag, "beyond": beyond,
+                    "command": extension_command(a, archs, key, beyond) if beyond else None,
+                    "best_runs": [r.name for r in a.members[a.best()]]})
+    return out
+
+
+def tag_wandb_runs(archs: list[Architecture]) -> list[str]:
+    """The W&B tag EDGE_TAG on the API runs at each flagged architecture's best value, off every other API run
+    of the comparison; a note for each run whose tags could not be changed."""
+    notes = []
+    for a in archs:
+        flagged = a.edge()[0] is not None
+        for value, members in a.members.items():
+            for run in (r for r in members if r.handle is not None):
+                want = flagged and value == a.best()
+                try:
+                    if (EDGE_TAG in run.handle.tags) != want:
+                        run.handle.tags = [t for t in run.handle.tags if t != EDGE_TAG] + [EDGE_TAG] * want
+                        run.handle.update()
+                except Exception as e:  # no write access, no network: the report stands without the tag
+                    notes.append(f"W&B tag {EDGE_TAG} not {'added to' if want else 'removed from'} {run.name}: {e}")
+    return notes
+
+
 AT_BEST = ("val_bpb", "val_bpb_batch_routing", "moe_imbalance", "moe_dead_experts", "moe_unrouted_frac",
-           "moe_token_choice_overlap", "tokens_per_sec")
+           "moe_token_choice_overlap", "tokens_per_sec", "train_flops")
 
 
 def at_best_table(archs: list[Architecture], key: str) -> str:
@@ -609,6 +828,157 @@ def plot_architectures_together(archs: list[Architecture], key: str, folder: Pat
     return written
 
 
+# ---- eval.py's suites (length, recall, decode) -----------------------------------------------------------
+@dataclass
+class EvalPoint:
+    label: str
+    mixer: str
+    reports: list[dict]  # eval.json of each run it stands for (each seed of an architecture at its best value)
+
+    def blocks(self, suite: str) -> list[dict]:
+        return [r[suite] for r in self.reports if isinstance(r.get(suite), dict)]
+
+
+def eval_points(runs: list[Run], summaries: list[dict], archs: list[Architecture]) -> list[EvalPoint]:
+    """Under --best-over each architecture at its best value (its seeds' reports averaged), else each run."""
+    if archs:
+        return [EvalPoint(a.label, str(a.summary["mixer"]), [r.report for r in a.members[a.best()] if r.report])
+                for a in archs]
+    return [EvalPoint(s["run"], str(s["mixer"]), [run.report] if run.report else []) for run, s in zip(runs, summaries)]
+
+
+def mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
+
+
+def decode_rows(report: dict) -> dict:
+    """The decode suite's measured rows by context (skipped contexts left out)."""
+    return {r["context"]: r for r in (report.get("decode") or {}).get("rows", []) if "skipped" not in r and "context" in r}
+
+
+def recall_acc_at(report: dict, context) -> float | None:
+    """Recall accuracy at one context of the recall suite, the mean over its depths."""
+    recall = report.get("recall") or {}
+    contexts = recall.get("contexts", [])
+    return mean(recall["acc"][contexts.index(context)]) if context in contexts and "acc" in recall else None
+
+
+def common_context(reports: list[dict], contexts_of) -> int | None:
+    """The largest context every report has (contexts_of(report): its contexts)."""
+    sets = [set(contexts_of(r)) for r in reports]
+    common = set.intersection(*sets) if sets else set()
+    return max(common) if common else None
+
+
+def length_table(points: list[EvalPoint], header: str) -> str | None:
+    """The length suite's loss per band (1x, 2x, ... the training length), mean over a point's reports."""
+    rows = [(p, p.blocks("length")) for p in points if p.blocks("length")]
+    bands = sorted({b for _, blocks in rows for block in blocks for b in block.get("bands", {})},
+                   key=lambda b: float(b.rstrip("x")))
+    if not bands:
+        return None
+    lines = [f"| {header} | " + " | ".join(bands) + " |", "|---" * (len(bands) + 1) + "|"]
+    for p, blocks in rows:
+        cells = [mean(block.get("bands", {}).get(b) for block in blocks) for b in bands]
+        lines.append(f"| {p.label} | " + " | ".join("-" if c is None else f"{c:.4g}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def length_curve(blocks: list[dict]) -> tuple[int, list[float]] | None:
+    """(the longest length evaluated, mean loss per position there over the blocks that have it)."""
+    lengths = [int(k) for b in blocks for k in b.get("per_position", {})]
+    if not lengths:
+        return None
+    curves = [b["per_position"][str(max(lengths))] for b in blocks if str(max(lengths)) in b.get("per_position", {})]
+    return max(lengths), [statistics.mean(losses) for losses in zip(*curves)]
+
+
+def plot_suites(points: list[EvalPoint], out: Path) -> tuple[list[Path], list[str]]:
+    """length.png, recall_state.png, recall_throughput.png, decode.png from the points' eval.json blocks (a point
+    without a suite's block is left out of its plot); notes for the plots that had nothing in common to show."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written, notes = [], []
+
+    def save(fig, name):
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=120)
+        plt.close(fig)
+        written.append(out / name)
+
+    curves = [(p.label, curve, p.blocks("length")) for p in points if (curve := length_curve(p.blocks("length")))]
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for label, (length, losses), _ in curves:
+            ax.plot(range(1, len(losses) + 1), losses, lw=1, label=f"{label} (length {length})")
+        for t in sorted({b["train_seq_len"] for _, _, blocks in curves for b in blocks if b.get("train_seq_len")}):
+            ax.axvline(t, color="gray", ls="--", lw=1, label=f"training length {t}")
+        ax.set_xscale("log")
+        ax.set_xlabel("position")
+        ax.set_ylabel("loss (nats/token)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        save(fig, "length.png")
+
+    mixers = sorted({p.mixer for p in points})
+    colors = {m: f"C{i}" for i, m in enumerate(mixers)}
+    both = [p for p in points if p.blocks("recall") and p.blocks("decode")]
+    reports = [r for p in both for r in p.reports if r.get("recall") and r.get("decode")]
+    state_at = common_context(reports, lambda r: set(r["recall"].get("contexts", [])) & set(decode_rows(r)))
+    speed_at = common_context(reports, lambda r: decode_rows(r))
+    for name, context, x_of, y_of, xlabel, ylabel in (
+            ("recall_state.png", state_at, lambda r, c: decode_rows(r)[c].get("cache_bytes"), recall_acc_at,
+             "decode-cache bytes per sequence", "recall accuracy (mean over depths)"),
+            ("recall_throughput.png", speed_at, lambda r, c: decode_rows(r)[c].get("decode_tokens_per_sec"),
+             lambda r, c: (r.get("scores") or {}).get("recall/acc"), "decode tokens/s", "recall accuracy (recall/acc)")):
+        if context is None:
+            if both:
+                notes.append(f"{name}: no context that every run's recall and decode suites share")
+            continue
+        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        for p in both:
+            measured = [r for r in p.reports if r.get("recall") and r.get("decode")]
+            x, y = mean(x_of(r, context) for r in measured), mean(y_of(r, context) for r in measured)
+            if x is None or y is None:
+                continue
+            ax.plot(x, y, "o", color=colors[p.mixer], label=p.mixer)
+            ax.annotate(p.label, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        handles, labels = ax.get_legend_handles_labels()
+        by_mixer = dict(zip(labels, handles))  # one legend entry per mixer
+        ax.legend(by_mixer.values(), by_mixer.keys(), fontsize=7)
+        ax.set_xscale("log")
+        ax.set_xlabel(f"{xlabel} at context {context}")
+        ax.set_ylabel(f"{ylabel} at context {context}" if name == "recall_state.png" else ylabel)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        save(fig, name)
+
+    decoded = [p for p in points if p.blocks("decode")]
+    if decoded:
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+        for p in decoded:
+            by_context = [decode_rows(r) for r in p.reports if r.get("decode")]
+            contexts = sorted({c for rows in by_context for c in rows})
+            for ax, field_name in zip(axes, ("decode_tokens_per_sec", "cache_bytes")):
+                values = [mean(rows[c].get(field_name) for rows in by_context if c in rows) for c in contexts]
+                pts = [(c, v) for c, v in zip(contexts, values) if v is not None]
+                if pts:
+                    ax.plot(*zip(*pts), "o-", ms=3, label=p.label)
+        for ax, ylabel in zip(axes, ("decode tokens/s", "decode-cache bytes per sequence")):
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[1].set_yscale("log")
+        axes[0].legend(fontsize=7)
+        save(fig, "decode.png")
+    return written, notes
+
+
 def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_over: str | None = None) -> dict:
     runs, notes = discover(paths)
     if wandb_path:
@@ -622,37 +992,51 @@ def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_ov
         raise ValueError(f"--best-over {best_over}: run {missing[0]} has no {best_over} in its config")
     summaries = [summarize_run(r) for r in runs]
     out.mkdir(parents=True, exist_ok=True)
+    archs = group_architectures(runs, summaries, best_over) if best_over and runs else []
+    for a in archs:
+        for at_value in a.runs.values():
+            for s in at_value:
+                s.update(architecture=a.label, edge=a.edge()[0])
     slice_cols = sorted({k for s in summaries for k in s if k.startswith("mqar_acc/")},
                         key=lambda k: tuple(int(x) for x in k.split("/")[1].split("x")))
     eval_cols = sorted({k for s in summaries for k in s if k.startswith("eval/")})
-    columns = COLUMNS[:-2] + slice_cols + eval_cols + COLUMNS[-2:]
+    columns = COLUMNS[:-2] + slice_cols + eval_cols + (["architecture", "edge"] if archs else []) + COLUMNS[-2:]
     with (out / "compare.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(summaries)
-    shown = [c for c in columns if c != "source" and any(s.get(c) is not None for s in summaries)]
-    archs = group_architectures(runs, summaries, best_over) if best_over and runs else []
+    shown = [c for c in columns if c not in ("source", "budget", "architecture", "edge")
+             and any(s.get(c) is not None for s in summaries)]
     best_points = None
     if archs:  # the MQAR plots show each architecture at its best value
         best_points = [{**a.summary, "mqar_acc": a.means()[a.best()] if a.score == "mqar_acc" else None} for a in archs]
+        (out / "best_over.json").write_text(json.dumps(edge_report(archs, best_over), indent=1))
+        notes += tag_wandb_runs(archs)
     plots = plot_all(runs, summaries, out, best_points) if runs else []
-    md = [f"# Comparison of {len(runs)} run(s)", ""]
+    points = eval_points(runs, summaries, archs)
+    suite_plots, suite_notes = plot_suites(points, out)
+    md = [f"# Comparison of {len(runs)} run(s)", "", f"Budget: {budget_line([r.config for r in runs])}.", ""]
+    warnings = []
     if archs:
-        md += [f"## Best {best_over} per architecture", "", best_over_table(archs, best_over), "",
-               f"score: MQAR accuracy (higher is better) or val loss (lower is better) at the last evaluation, "
-               f"mean and min-max over seeds at the best {best_over}; every point is in best_{best_over.replace('.', '_')}/"
-               f"<architecture>.png and in the table below.", "", f"At the best {best_over}, means over seeds:", "",
-               at_best_table(archs, best_over), "", "## Every run", ""]
+        sections, warnings = best_over_sections(archs, best_over)
+        md += [*sections, "## Every run", ""]
         plots += plot_best_over(archs, best_over, out)
     md += [markdown_table(summaries, shown) if runs else "(no complete runs)", "",
-           "params: total (active per token); tokens/s and MFU: median over training logs after the first; "
-           "val metrics at the last evaluation; wall_s: training wall-clock; state_size: decode-cache numbers "
-           "per sequence at trainer.seq_len.", ""]
-    md += [f"![{p.stem}]({p.relative_to(out)})" for p in plots]
+           "params: total (active per token); train_flops: tokens x train FLOPs per token; tokens/s and MFU: median "
+           "over training logs after the first; val metrics at the last evaluation; wall_s: training wall-clock; "
+           "state_size: decode-cache numbers per sequence at trainer.seq_len.", ""]
+    bands = length_table(points, "architecture" if archs else "run")
+    if bands:
+        md += ["## Loss by length (eval.py's length suite)", "", bands, "",
+               "loss (nats/token) in each length band of eval.py's length suite, in multiples of the training length"
+               + (f"; mean over seeds at the best {best_over}" if archs else "") + ".", ""]
+    md += [f"![{p.stem}]({p.relative_to(out)})" for p in plots + suite_plots]
+    notes += suite_notes
     if notes:
         md += ["", "## Notes", *[f"- {n}" for n in notes]]
     (out / "compare.md").write_text("\n".join(md) + "\n")
-    return {"summaries": summaries, "architectures": archs, "notes": notes, "plots": plots, "markdown": "\n".join(md)}
+    return {"summaries": summaries, "architectures": archs, "notes": notes, "plots": plots + suite_plots,
+            "warnings": warnings, "markdown": "\n".join(md)}
 
 
 def main(argv=None) -> int:
@@ -670,6 +1054,8 @@ def main(argv=None) -> int:
     except ValueError as e:
         sys.exit(f"error: {e}")
     print(result["markdown"])
+    for warning in result["warnings"]:
+        print(f"warning: {warning}")
     print(f"\nwrote {out / 'compare.md'}, {out / 'compare.csv'} and {len(result['plots'])} plot(s)")
     return 0 if result["summaries"] else 1
 

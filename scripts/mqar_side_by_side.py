@@ -25,6 +25,7 @@ import argparse
 import importlib.util
 import json
 import math
+import shlex
 import signal
 import sys
 import time
@@ -33,12 +34,11 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # spawned workers import this file as a module
-    sys.path.insert(0, str(ROOT))
+from model import DecoderLM, LMConfig
+from model.config import PARAMETRIZATIONS, PER_MIXER
+from scripts.compare import decode_state_numbers, edge_text, grid_edge, style_mqar_axes
 
-from model import DecoderLM, LMConfig  # noqa: E402
-from model.config import PARAMETRIZATIONS, PER_MIXER  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 MIXERS = ("softmax", "gdn", "derived_gdn", "mamba2", "linear")
 REFERENCE = {"softmax": "llama", "gdn": "qwen3_next_gdn", "derived_gdn": "qwen3_next_gdn", "mamba2": "mamba2",
@@ -161,7 +161,9 @@ def job_key(job: dict) -> tuple:
 
 
 def best_over_lr(runs: list[dict]) -> dict | None:
-    """The lr whose mean final accuracy over seeds is highest: {lr, mean, lo, hi, seeds, curves}."""
+    """The lr whose mean final accuracy over seeds is highest: {lr, mean, lo, hi, seeds, curves, lrs, edge, beyond};
+    edge and beyond as compare.grid_edge gives them (the best at the low or high edge of the lrs tried, or the only one,
+    and the lrs one step beyond it)."""
     by_lr = {}
     for r in runs:
         by_lr.setdefault(r["lr"], []).append(r)
@@ -169,8 +171,9 @@ def best_over_lr(runs: list[dict]) -> dict | None:
         return None
     lr, rs = max(by_lr.items(), key=lambda kv: sum(r["acc"] for r in kv[1]) / len(kv[1]))
     accs = [r["acc"] for r in rs]
+    edge, beyond = grid_edge(list(by_lr), lr)
     return {"lr": lr, "mean": sum(accs) / len(accs), "lo": min(accs), "hi": max(accs), "seeds": len(rs),
-            "curves": [r["curve"] for r in rs], "lrs": sorted(by_lr)}
+            "curves": [r["curve"] for r in rs], "lrs": sorted(by_lr), "edge": edge, "beyond": beyond}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -189,8 +192,26 @@ def summarize(runs: list[dict]) -> list[dict]:
     return rows
 
 
-def write_table(rows: list[dict], steps: int, path: Path) -> None:
-    cell = lambda b: f"{b['mean']:.3f} ({b['lo']:.3f}-{b['hi']:.3f}) at {b['lr']:g}"  # noqa: E731
+def extension(row: dict, side: str, rerun: str) -> str | None:
+    """A line for a side (ours or ref) whose best lr is at the edge of its lrs: where, and the command that adds the
+    lrs beyond it (rerun: this script with the same --seeds, --steps and --out); None when the best is inside."""
+    best = row[side]
+    if not best or not best["edge"]:
+        return None
+    option = "--softmax-lrs" if row["mixer"] == "softmax" else "--lrs"  # ours and Llama on softmax's lrs
+    command = f"{rerun} --mixers {row['mixer']} --widths {row['d']} {option} {','.join(f'{v:g}' for v in best['beyond'])}"
+    who = f"ours ({row['parametrization']})" if side == "ours" else row["reference"]
+    if side == "ours":
+        command += f" --parametrizations {row['parametrization']} --no-reference"
+    return f"{row['mixer']} d {row['d']}, {who}: {edge_text('lr', best['lr'], best['lrs'], best['edge'])}; extend it: {command}"
+
+
+def write_table(rows: list[dict], steps: int, path: Path, rerun: str) -> None:
+    """table.md: each row's best lrs, an edge flag after a best at the edge of the lrs tried (or the only one), and
+    under the table, in bold, each flagged side's extension (see extension)."""
+    def cell(b):
+        return f"{b['mean']:.3f} ({b['lo']:.3f}-{b['hi']:.3f}) at {b['lr']:g}" + (f" [{b['edge']}]" if b["edge"] else "")
+
     lines = [f"MQAR accuracy after {steps} steps, each side at its best lr; mean (min-max) over seeds.", "",
              "| mixer | d | ours: parametrization | ours | reference | reference's | ours / reference |",
              "|---|---|---|---|---|---|---|"]
@@ -201,6 +222,8 @@ def write_table(rows: list[dict], steps: int, path: Path) -> None:
     seeds = sorted({b[k]["seeds"] for b in rows for k in ("ours", "ref") if b[k]})
     lrs = sorted({lr for b in rows for k in ("ours", "ref") if b[k] for lr in b[k]["lrs"]})
     lines += ["", f"lrs tried: {', '.join(f'{lr:g}' for lr in lrs)}; seeds per point: {', '.join(map(str, seeds))}."]
+    flagged = dict.fromkeys(line for r in rows for side in ("ours", "ref") if (line := extension(r, side, rerun)))
+    lines += [f"\n**Warning: {line}**" for line in flagged]
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -247,8 +270,6 @@ def plot_zoology(rows: list[dict], out: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from scripts.compare import decode_state_numbers, style_mqar_axes
 
     written = []
     for key, name, xlabel in (("state", "mqar_state.png", "decode state per sequence (numbers, T = 64)"),
@@ -326,7 +347,9 @@ def main(argv=None) -> int:
     runs = [r for r in read_runs(log) if r["steps"] == args.steps and r["d"] in widths and r["parametrization"] in [*pars, "own"]
             and (r["mixer"] in mixers or r["impl"] in [REFERENCE.get(m) for m in mixers])]
     rows = summarize(runs)
-    write_table(rows, args.steps, out / "table.md")
+    rerun = (f"python scripts/mqar_side_by_side.py --seeds {args.seeds} --steps {args.steps} --eval-every {args.eval_every} "
+             f"--jobs {args.jobs} --out {shlex.quote(str(out))}")
+    write_table(rows, args.steps, out / "table.md", rerun)
     plot_curves(rows, out / "curves.png")
     plot_zoology(rows, out)
     print((out / "table.md").read_text() + f"wrote table.md, curves.png, mqar_state.png and mqar_width.png in {out}")

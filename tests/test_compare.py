@@ -4,6 +4,7 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -297,11 +298,11 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
     out = tmp_path / "report"
     assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
     md = (out / "compare.md").read_text()
-    assert "| gdn-dense-d32 | mqar_acc | 0.003 | 0.8 | 0.7-0.9 | 2 | 0.001: 0.3, 0.003: 0.8, 0.01: 0.1 |" in md
-    assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.001 | 2.4 | 2.4-2.4 | 2 | 0.001: 2.4 |" in md
+    assert "| gdn-dense-d32 | mqar_acc | 0.003 | - | 0.8 | 0.7-0.9 | 2 | 0.001: 0.3, 0.003: 0.8, 0.01: 0.1 |" in md
+    assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.001 | single value | 2.4 | 2.4-2.4 | 2 | 0.001: 2.4 |" in md
     # and the other columns at the best lr, means over the seeds (tokens/s: 20 and 40 after the first log)
     assert "| softmax-dense-d32 warmup_steps=7 | 0.001 | 30 |" in md
-    assert "| softmax-dense-d32 | val_loss | 0.001 | 2.1 | 2-2.2 | 2 | 0.001: 2.1, 0.003: 2.5, 0.01: 3.1 |" in md
+    assert "| softmax-dense-d32 | val_loss | 0.001 | low edge | 2.1 | 2-2.2 | 2 | 0.001: 2.1, 0.003: 2.5, 0.01: 3.1 |" in md
     assert md.count("| gdn_") + md.count("| softmax_") == 12  # every run stays in the full table
     for arch in ("gdn-dense-d32", "softmax-dense-d32"):
         assert (out / "best_trainer_lr" / f"{arch}.png").stat().st_size > 1000
@@ -336,5 +337,239 @@ def test_compare_best_over_parametrization(tmp_path):
     out = tmp_path / "report"
     assert compare.main([str(runs), "--out", str(out), "--best-over", "model.parametrization"]) == 0
     md = (out / "compare.md").read_text()
-    assert "| gdn-dense-d32 | mqar_acc | tied | 0.85 | 0.8-0.9 | 2 | per_mixer: 0.6, tied: 0.85 |" in md, md
+    assert "| gdn-dense-d32 | mqar_acc | tied | - | 0.85 | 0.8-0.9 | 2 | per_mixer: 0.6, tied: 0.85 |" in md, md
     assert (out / "best_model_parametrization" / "gdn-dense-d32.png").stat().st_size > 1000
+
+
+# ---- compare: grid edges, budgets, FLOPs, eval suites --------------------------------------------------
+@pytest.fixture
+def plotted(monkeypatch):
+    """{PNG name: [(x data, y data) of each line of each axes]} of every figure saved (the files are still written)."""
+    from matplotlib.figure import Figure
+
+    saved, savefig = {}, Figure.savefig
+
+    def record(fig, path, **kw):
+        saved[Path(path).name] = [(list(line.get_xdata()), list(line.get_ydata())) for ax in fig.axes for line in ax.lines]
+        return savefig(fig, path, **kw)
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    return saved
+
+
+def at(config, lr, seed, **trainer):
+    return {**config, "seed": seed, "trainer": {**config["trainer"], "lr": lr, **trainer}}
+
+
+def test_grid_edge_values():
+    assert compare.grid_edge([5e-3, 1e-2, 2e-2], 2e-2) == ("high edge", [pytest.approx(4e-2)])
+    assert compare.grid_edge([5e-3, 1e-2, 2e-2], 5e-3) == ("low edge", [pytest.approx(2.5e-3)])
+    assert compare.grid_edge([5e-3, 1e-2, 2e-2], 1e-2) == (None, [])
+    assert compare.grid_edge([1e-3, 3e-3, 1e-2, 3e-2], 3e-2) == ("high edge", [pytest.approx(9e-2)])  # the ratio at that end
+    assert compare.grid_edge([3e-3], 3e-3) == ("single value", [1.5e-3, 6e-3])
+    assert compare.grid_edge([4, 8, 16], 16) == ("high edge", [32]) and compare.grid_edge([0, 10, 20], 0) == ("low edge", [-10])
+    assert compare.grid_edge(["per_mixer", "tied"], "tied") == (None, [])
+    assert compare.grid_edge(["tied"], "tied") == ("single value", [])
+
+
+def test_compare_best_over_flags_the_grid_edge(tmp_path, capsys):
+    """Grid 5e-3, 1e-2, 2e-2 over seeds 0 and 1: softmax is best at 2e-2 (high edge: extend to 4e-2, with the
+    overrides of its own command line), gdn at 5e-3 (low edge: 2.5e-3, with the overrides that tell it from the
+    others), mamba2 inside (not flagged), a warm-up variant at one lr (single value). Flags in compare.md (the edge
+    column and a bold warning), on the console, in compare.csv and best_over.json."""
+    runs = tmp_path / "runs"
+    losses = {"softmax": {5e-3: 3.0, 1e-2: 2.8, 2e-2: 2.6}, "gdn": {5e-3: 2.5, 1e-2: 2.7, 2e-2: 2.9},
+              "mamba2": {5e-3: 3.0, 1e-2: 2.0, 2e-2: 3.0}}
+    for mixer, by_lr in losses.items():
+        for lr, loss in by_lr.items():
+            for seed in (0, 1):
+                folder = runs / f"{mixer}_{lr}_{seed}"
+                write_run(folder, at(tiny_config(f"mixer={mixer}"), lr, seed), train_rows([10, 10], [3.5, loss + seed / 10]),
+                          params={"total": 1, "active": 1})
+                if mixer == "softmax":  # Hydra's record of the job's command line
+                    (folder / ".hydra").mkdir()
+                    (folder / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(
+                        ["mixer=softmax", f"trainer.lr={lr}", f"seed={seed}", f"run_dir={folder}", "++logger.group=g"]))
+    for seed in (0, 1):
+        write_run(runs / f"variant_{seed}", at(tiny_config(), 1e-2, seed, warmup_steps=7), train_rows([10, 10], [3.5, 2.4]),
+                  params={"total": 1, "active": 1})
+    out = tmp_path / "report"
+    assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
+    md = (out / "compare.md").read_text()
+    assert "| softmax-dense-d32 | val_loss | 0.02 | high edge | 2.65 |" in md
+    assert "| gdn-dense-d32 | val_loss | 0.005 | low edge | 2.55 |" in md
+    assert "| mamba2-dense-d32 | val_loss | 0.01 | - | 2.05 |" in md
+    assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.01 | single value | 2.4 |" in md
+    extend = {"softmax-dense-d32": "python scripts/sweep.py mixer=softmax ++logger.group=g trainer.lr=0.04 seed=0,1",
+              "gdn-dense-d32": "python scripts/sweep.py mixer=gdn trainer.warmup_steps=10 trainer.lr=0.0025 seed=0,1",
+              "softmax-dense-d32 warmup_steps=7": "python scripts/sweep.py mixer=softmax trainer.warmup_steps=7 "
+                                                  "trainer.lr=0.005,0.02 seed=0,1"}
+    assert ("**Warning: softmax-dense-d32: best trainer.lr 0.02 is at the high edge of the grid (0.005, 0.01, 0.02); "
+            f"extend it: {extend['softmax-dense-d32']}**") in md
+    console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
+    assert len(console) == 3 and all(any(line.endswith(f"extend it: {cmd}") for line in console) for cmd in extend.values())
+    assert not any("mamba2" in line for line in console)
+    rows = list(csv.DictReader((out / "compare.csv").open()))
+    assert {(r["architecture"], r["edge"]) for r in rows} == {
+        ("softmax-dense-d32", "high edge"), ("gdn-dense-d32", "low edge"), ("mamba2-dense-d32", ""),
+        ("softmax-dense-d32 warmup_steps=7", "single value")}
+    report = {a["architecture"]: a for a in json.loads((out / "best_over.json").read_text())}
+    assert report["softmax-dense-d32"]["beyond"] == [pytest.approx(0.04)] and report["gdn-dense-d32"]["best"] == 5e-3
+    assert report["mamba2-dense-d32"]["edge"] is None and report["mamba2-dense-d32"]["command"] is None
+    assert {name: report[name]["command"] for name in extend} == extend
+    assert sorted(report["softmax-dense-d32"]["best_runs"]) == ["softmax_0.02_0", "softmax_0.02_1"]
+
+
+def test_compare_best_over_tags_wandb_runs_on_the_edge(tmp_path, monkeypatch):
+    """--wandb: the runs at a flagged architecture's best lr get the tag best-on-grid-edge (run.tags, run.update()),
+    a stale tag on a run not at it is removed, and a run that refuses the change leaves a note, not an error."""
+    import wandb
+
+    class FakeRun:
+        def __init__(self, name, lr, loss, tags=(), fail=False):
+            self.name, self.state, self.url, self.group, self.summary = name, "finished", f"https://x/{name}", "g", {}
+            self.config, self.tags, self.fail, self.updated = at(tiny_config(), lr, 0), list(tags), fail, 0
+            self.history = [{"_step": 10, "_runtime": 1.0, "val/loss": loss, "tokens_seen": 100}]
+
+        def scan_history(self):
+            return iter(self.history)
+
+        def update(self):
+            if self.fail:
+                raise RuntimeError("permission denied")
+            self.updated += 1
+
+    runs = [FakeRun("lr1", 1e-3, 3.0, tags=["best-on-grid-edge"]), FakeRun("lr2", 2e-3, 2.5, tags=["keep"]),
+            FakeRun("lr4", 4e-3, 2.0)]
+    monkeypatch.setattr(wandb, "Api", lambda: type("A", (), {"runs": lambda self, path, filters: runs})())
+    assert compare.main(["--wandb", "e/p", "--out", str(tmp_path), "--best-over", "trainer.lr"]) == 0
+    assert [(r.tags, r.updated) for r in runs] == [([], 1), (["keep"], 0), (["best-on-grid-edge"], 1)]
+    runs[2].tags, runs[2].fail = [], True
+    result = compare.compare([], tmp_path, "e/p", "trainer.lr")
+    assert "W&B tag best-on-grid-edge not added to lr4: permission denied" in result["notes"]
+
+
+def test_budget_line():
+    steps = tiny_config()
+    flops = [at(tiny_config(), 1e-2, 0, flops_budget=1e9, max_steps=s) for s in (50, 70)]
+    assert compare.budget_line(flops) == "equal FLOPs (trainer.flops_budget=1e+09)"
+    assert compare.budget_line([at(steps, 1e-2, 0, tokens_budget=2e6)] * 2) == "equal tokens (trainer.tokens_budget=2e+06)"
+    assert compare.budget_line([steps, at(steps, 3e-2, 1)]) == "equal steps (trainer.max_steps=120, tokens=30.7k)"  # 120 x 8 x 32
+    assert compare.budget_line([*flops, steps]) == ("mixed budgets: trainer.flops_budget=1e+09 (2 runs); "
+                                                   "trainer.max_steps=120, tokens=30.7k (1 run)")
+    assert compare.budget_line([steps, at(steps, 1e-2, 0, batch_size=4)]).startswith("mixed budgets: ")
+
+
+def test_compare_flops_axis_and_budget_sections(tmp_path, plotted):
+    """train_flops = final tokens x run_info's train_flops_per_token; val_bpb_flops.png plots val bpb against tokens
+    seen x train_flops_per_token at each log, val_bpb_time.png against time/elapsed. Under --best-over, runs at two
+    FLOPs budgets are two architectures in two tables (max_steps, which a budget sets, does not split them)."""
+    runs = tmp_path / "runs"
+    for budget, per_token in ((1e9, 1000.0), (2e9, 1000.0)):
+        for lr, steps in ((1e-2, 40), (2e-2, 40), (4e-2, 41)):
+            rows = [{**r, "val/bpb": r["val/loss"] / 2} for r in train_rows([10, 10], [3.0, 2.0 + 10 * abs(lr - 2e-2)])]
+            folder = runs / f"{budget:g}_{lr}"
+            write_run(folder, at(tiny_config(), lr, 0, flops_budget=budget, max_steps=steps), rows)
+            (folder / "run_info.json").write_text(json.dumps({"params": {"total": 1, "active": 1},
+                                                              "train_flops_per_token": per_token}))
+    out = tmp_path / "report"
+    compare.compare([runs], out, best_over="trainer.lr")
+    rows = list(csv.DictReader((out / "compare.csv").open()))
+    assert {float(r["train_flops"]) for r in rows} == {20 * 256 * 1000.0}  # tokens_seen of the last log x 1000
+    assert {r["budget"] for r in rows} == {"trainer.flops_budget=1e+09", "trainer.flops_budget=2e+09"}
+    (x, y), = plotted["val_bpb_flops.png"][:1]
+    assert x == [10 * 256 * 1000.0, 20 * 256 * 1000.0] and y == [1.5, pytest.approx(2.1 / 2)]  # lr 1e-2: loss 2.1
+    assert plotted["val_bpb_time.png"][0][0] == [7.0, 14.0] and len(plotted["val_bpb_flops.png"]) == 6
+    # a row's own flops_seen (train.py logs it) where it has one; the zero-FLOPs log is off the log axis
+    rows = [{"step": 0, "tokens_seen": 0, "flops_seen": 0, "val/loss": 4.0},
+            {"step": 10, "tokens_seen": 5, "flops_seen": 7.0, "val/loss": 3.0}, {"step": 20, "tokens_seen": 10, "val/loss": 2.0}]
+    assert compare.curve(compare.Run("r", "r", {}, rows), {"train_flops_per_token": 100.0}, "flops", "val/loss") == [
+        (7.0, 3.0), (1000.0, 2.0)]
+    md = (out / "compare.md").read_text()
+    assert "Budget: mixed budgets: trainer.flops_budget=1e+09 (3 runs); trainer.flops_budget=2e+09 (3 runs)." in md
+    assert "## Best trainer.lr per architecture, equal FLOPs (trainer.flops_budget=1e+09)" in md
+    assert "## Best trainer.lr per architecture, equal FLOPs (trainer.flops_budget=2e+09)" in md
+    assert md.count("| 0.02 | - |") == 2  # each budget's lr grid is one architecture, best inside
+
+
+def eval_report(seq_lens=(64, 128), bands=(2.0, 2.5), acc=((1.0, 0.5), (0.5, 0.0)), decode=(100.0, 50.0)) -> dict:
+    """A fake eval.py report with the length, recall and decode suites (training length 64)."""
+    return {"scores": {"recall/acc": sum(map(sum, acc)) / 4},
+            "length": {"train_seq_len": 64, "seq_lens": list(seq_lens),
+                       "per_position": {str(n): [3.0 - i / n for i in range(n)] for n in seq_lens},
+                       "bands": dict(zip(("1x", "2x"), bands))},
+            "recall": {"contexts": [128, 256], "depths": [0.0, 1.0], "acc": [list(a) for a in acc],
+                       "answer_logprob": [[-1.0, -2.0]] * 2},
+            "decode": {"contexts": [128, 256, 512], "rows": [
+                {"context": 128, "prefill_tokens_per_sec": 1e4, "decode_tokens_per_sec": decode[0], "peak_mem_bytes": 1,
+                 "cache_bytes": 1000, "cache_bytes_per_layer": 500},
+                {"context": 256, "prefill_tokens_per_sec": 1e4, "decode_tokens_per_sec": decode[1], "peak_mem_bytes": 1,
+                 "cache_bytes": 2000, "cache_bytes_per_layer": 1000},
+                {"context": 512, "skipped": "out of memory"}]}}
+
+
+def test_compare_eval_suite_plots(tmp_path, plotted):
+    """length.png, recall_state.png, recall_throughput.png and decode.png from fake eval.json (a run without the
+    suites is left out), and the band table: per run, then per architecture at its best lr (mean over seeds)."""
+    runs = tmp_path / "runs"
+    reports = {"softmax_0": eval_report(),
+               "gdn_0": eval_report(bands=(2.2, 3.0), acc=((0.5, 0.5), (0.0, 0.0)), decode=(300.0, 280.0)),
+               "gdn_1": eval_report(bands=(2.4, 3.4), acc=((1.0, 1.0), (0.0, 0.0)), decode=(200.0, 180.0))}
+    for name, config in (("softmax_0", tiny_config()), ("gdn_0", at(tiny_config("mixer=gdn"), 1e-2, 0)),
+                         ("gdn_1", at(tiny_config("mixer=gdn"), 1e-2, 1)), ("plain", at(tiny_config("mixer=gdn"), 3e-2, 0))):
+        write_run(runs / name, config, train_rows([10, 10], [3.0, 2.0 if name != "plain" else 2.5]),
+                  params={"total": 1, "active": 1})
+        if name in reports:
+            (runs / name / "final" / "eval").mkdir()
+            (runs / name / "final" / "eval" / "eval.json").write_text(json.dumps(reports[name]))
+    out = tmp_path / "report"
+    compare.compare([runs], out)
+    md = (out / "compare.md").read_text()
+    assert "| softmax_0 | 2 | 2.5 |" in md and "| gdn_0 | 2.2 | 3 |" in md and "| gdn_1 | 2.4 | 3.4 |" in md
+    assert "| plain |" not in md.split("## Loss by length")[1]
+    for name in ("length.png", "recall_state.png", "recall_throughput.png", "decode.png"):
+        assert (out / name).stat().st_size > 1000, name
+    curves = plotted["length.png"]
+    assert len(curves) == 3 + 1 and curves[0][0] == list(range(1, 129)) and curves[0][1][0] == 3.0  # + the line at T=64
+    # recall at the largest context that every run's recall and decode suites have (256: 512 was skipped)
+    # (runs in folder order: gdn_0, gdn_1, softmax_0)
+    assert plotted["recall_state.png"] == [([2000], [0.0]), ([2000], [0.0]), ([2000], [0.25])]
+    assert plotted["recall_throughput.png"] == [([280.0], [0.25]), ([180.0], [0.5]), ([50.0], [0.5])]
+    assert plotted["decode.png"] == [([128, 256], [300.0, 280.0]), ([128, 256], [200.0, 180.0]), ([128, 256], [100.0, 50.0]),
+                                     *[([128, 256], [1000, 2000])] * 3]
+    # gdn at its best lr (1e-2, the two seeds) averaged; softmax alone
+    out = tmp_path / "best"
+    compare.compare([runs], out, best_over="trainer.lr")
+    md = (out / "compare.md").read_text()
+    assert "| gdn-dense-d32 | 2.3 | 3.2 |" in md and "| softmax-dense-d32 | 2 | 2.5 |" in md
+    assert plotted["recall_throughput.png"] == [([230.0], [0.375]), ([50.0], [0.5])]
+
+
+def test_mqar_side_by_side_flags_the_lr_edge(tmp_path):
+    """mqar_side_by_side: ours best at the highest lr tried (5e-3, 1e-2: extend to 2e-2, ours only), the reference
+    inside its lrs (not flagged); a mixer with one lr is flagged as a single value; the flags and the commands are in
+    table.md."""
+    from scripts import mqar_side_by_side as side
+
+    def runs(impl, mixer, accs):
+        return [{"impl": impl, "mixer": mixer, "parametrization": "per_mixer" if impl == "ours" else "own", "d": 64,
+                 "lr": lr, "seed": seed, "acc": acc, "curve": [[1, acc]]} for lr, by_seed in accs.items()
+                for seed, acc in enumerate(by_seed)]
+
+    rows = side.summarize(runs("ours", "gdn", {5e-3: (0.5, 0.6), 1e-2: (0.9, 0.8)})
+                          + runs("qwen3_next_gdn", "qwen3_next_gdn", {1e-3: (0.1, 0.1), 3e-3: (0.7, 0.7), 1e-2: (0.2, 0.3)})
+                          + runs("ours", "softmax", {1e-3: (0.4, 0.5)}))
+    softmax, gdn = rows  # in MIXERS order
+    assert (gdn["ours"]["edge"], gdn["ours"]["beyond"]) == ("high edge", [pytest.approx(2e-2)])
+    assert gdn["ref"]["edge"] is None and softmax["ours"]["edge"] == "single value"
+    side.write_table(rows, 500, tmp_path / "table.md", "python scripts/mqar_side_by_side.py --seeds 0,1 --out r")
+    table = (tmp_path / "table.md").read_text()
+    assert ("| gdn | 64 | per_mixer | 0.850 (0.800-0.900) at 0.01 [high edge] | qwen3_next_gdn | "
+            "0.700 (0.700-0.700) at 0.003 |") in table
+    assert ("**Warning: gdn d 64, ours (per_mixer): best lr 0.01 is at the high edge of the grid (0.005, 0.01); extend it: "
+            "python scripts/mqar_side_by_side.py --seeds 0,1 --out r --mixers gdn --widths 64 --lrs 0.02 "
+            "--parametrizations per_mixer --no-reference**") in table
+    assert ("**Warning: softmax d 64, ours (per_mixer): best lr 0.001 is the only value swept (0.001); extend it: "
+            "python scripts/mqar_side_by_side.py --seeds 0,1 --out r --mixers softmax --widths 64 --softmax-lrs 0.0005,0.002 "
+            "--parametrizations per_mixer --no-reference**") in table
+    assert table.count("**Warning") == 2

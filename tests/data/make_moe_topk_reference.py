@@ -1,10 +1,9 @@
 """Writes tests/data/moe_topk_reference.pt: the top-k MoE layer and a tiny LM with a MoE layer (weights,
 inputs, outputs, gradients, aux metrics) as computed by the code before the router refactor (commit
-a0965e7; run there as `python tests/data/make_moe_topk_reference.py`). tests/test_moe_routers.py checks
-that router=topk still gives these numbers."""
-import math, sys
+a0965e7; run there, with the repo pip-installed, as `python tests/data/make_moe_topk_reference.py`).
+tests/test_moe_routers.py checks that router=topk still gives these numbers."""
+import math
 import torch
-sys.path.insert(0, ".")
 from model import DecoderLM, LMConfig
 from model.ffn.moe import MoE
 from model.layers import AuxCollector
