@@ -83,18 +83,20 @@ def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_c
 
 @pytest.mark.slow
 def test_sweep_continues_past_a_failed_job(tmp_path, data_cache, capsys):
-    """sweep.py, two jobs at once: job 1 fails (batch 4 does not split into 3 accumulation steps), job 0 still completes;
-    the summary names the failure and the exit status is 1."""
+    """sweep.py, two jobs at once: job 1 fails as it starts (its init_from does not exist, which only the run
+    finds out: the config checks pass), job 0 still completes; the summary names the failure and the exit status is 1."""
     out = tmp_path / "sweep"
-    rc = sweep.main([*TINY, "trainer.max_steps=2", "trainer.grad_accum=1,3", "--launcher", "python", "--jobs", "2",
+    missing = tmp_path / "no_such_run"
+    rc = sweep.main([*TINY, "trainer.max_steps=2", f"init_from=null,{missing}", "--launcher", "python", "--jobs", "2",
                      "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 1
     jobs = json.loads((out / "sweep.json").read_text())
-    assert [(j["name"], j["status"]) for j in jobs] == [("0_1", "ok"), ("1_3", "failed")]
-    assert jobs[0]["val_loss"] > 0 and (out / "0_1" / "final").exists() and not (out / "1_3" / "final").exists()
-    assert "trainer.grad_accum=3; valid: a divisor of trainer.batch_size=4" in (out / "1_3.log").read_text()
-    assert "1/2 ok; not ok: 1_3" in text and "compare: python scripts/compare.py" in text
+    failed = f"1_{str(missing).replace('/', '_')}"  # job_name keeps [A-Za-z0-9._=-]
+    assert [(j["name"], j["status"]) for j in jobs] == [("0_null", "ok"), (failed, "failed")]
+    assert jobs[0]["val_loss"] > 0 and (out / "0_null" / "final").exists() and not (out / failed / "final").exists()
+    assert str(missing) in (out / f"{failed}.log").read_text()
+    assert f"1/2 ok; not ok: {failed}" in text and "compare: python scripts/compare.py" in text
 
 
 def test_sweep_launcher_commands():
