@@ -67,6 +67,7 @@ def test_budget_errors(overrides, message):
     assert str(e.value).startswith(message)
 
 
+@pytest.mark.slow
 def test_a_budget_run_records_its_steps(tmp_path, data_cache):
     """train.py with a budget prints what it set, trains that many steps, and saves both (a resume keeps them)."""
     budget = 2.6e9
@@ -88,6 +89,7 @@ def test_a_budget_run_records_its_steps(tmp_path, data_cache):
     assert f"max_steps: {steps}" in saved and "flops_budget: 2600000000.0" in saved
 
 
+@pytest.mark.slow
 def test_a_budget_with_max_steps_on_the_command_line_is_refused(tmp_path):
     proc = run_train(tmp_path / "run", "trainer.tokens_budget=1e4", check=False)  # TINY gives trainer.max_steps=8
     assert proc.returncode != 0
@@ -96,6 +98,7 @@ def test_a_budget_with_max_steps_on_the_command_line_is_refused(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_train_multirun_checks_every_job_before_the_first(tmp_path):
     """A 2-job -m sweep whose second job is bad fails in one line, and no job starts (no sweep folder)."""
     cmd = [sys.executable, str(ROOT / "train.py"), "-m", *NO_STEPS, "trainer.max_steps=8,1",

@@ -177,6 +177,7 @@ def test_a_bad_suite_is_one_line():
         check_eval_config(cfg)
 
 
+@pytest.mark.slow
 def test_eval_py_runs_the_suites(tiny_run, data_cache, tmp_path):
     run, _ = tiny_run  # T = 64, softmax, max_position_embeddings 4096
     cmd = [sys.executable, str(ROOT / "eval.py"), f"checkpoint={run}", f"out_dir={tmp_path}", "suite=[length,recall,decode]",
