@@ -262,6 +262,10 @@ def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
         if len(runs) == before:
             notes.append(f"{p}: no runs found (no metrics.jsonl or run-*.wandb)")
     runs = [read_wandb_offline(sorted(offline[r], key=lambda f: f.name)) if isinstance(r, str) else r for r in runs]
+    names = [r.name for r in runs]
+    for r in runs:  # jobs of different sweeps share names (0_0): such a local run is named <sweep folder>/<job>
+        if names.count(r.name) > 1 and Path(r.source).is_dir():
+            r.name = f"{Path(r.source).parent.name}/{r.name}"
     return runs, notes
 
 

@@ -575,3 +575,11 @@ def test_mqar_side_by_side_flags_the_lr_edge(tmp_path):
             "python scripts/mqar_side_by_side.py --seeds 0,1 --out r --mixers softmax --widths 64 --softmax-lrs 0.0005,0.002 "
             "--parametrizations per_mixer --no-reference**") in table
     assert table.count("**Warning") == 2
+
+
+def test_runs_of_different_sweeps_with_one_name_are_told_apart(tmp_path):
+    """Two sweeps' job 0_0 are named <sweep folder>/0_0; a name used once stays as it is."""
+    for folder in ("b2_softmax/0_0", "b2_gdn/0_0", "b2_gdn/1_1"):
+        write_run(tmp_path / folder, tiny_config(), train_rows([100.0], [5.0]))
+    runs, _ = compare.discover([tmp_path])
+    assert sorted(r.name for r in runs) == ["1_1", "b2_gdn/0_0", "b2_softmax/0_0"]
