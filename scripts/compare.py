@@ -30,9 +30,10 @@ Writes to --out (default reports/<date>_<time>):
 - from eval.py's suites in <run>/final/eval/eval.json (a run without a suite's block is left out of its plots):
   length.png (loss by position at the longest length evaluated, log x, a line at the training length) and the
   table "Loss by length" in compare.md (loss per band: 1x, 2x, ... the training length); recall_state.png (recall
-  accuracy against decode-cache bytes at the largest context every run's recall and decode suites share, coloured
-  by mixer, as zoology); recall_throughput.png (recall/acc against decode tokens/s at the largest context every
-  run decoded, as Based); decode.png (decode tokens/s and cache bytes against the context).
+  accuracy, passkey or an MQAR run's at that seq_len, against decode-cache bytes at the largest context every run's
+  recall and decode suites share, coloured by mixer, as zoology); recall_throughput.png (recall/acc or
+  recall/mqar_acc against decode tokens/s at the largest context every run decoded, as Based); decode.png (decode
+  tokens/s and cache bytes against the context).
 MoE runs show their router in the ffn column (moe:expert_choice; top-k is plain moe) and the last
 logged moe/dead_experts, moe/unrouted_frac, moe/token_choice_overlap and val/batch_routing/bpb
 (docs/moe.md). Columns also give the W&B group and eval.py's scores (eval/..., from <run>/final/eval/eval.json and
@@ -861,11 +862,20 @@ def decode_rows(report: dict) -> dict:
     return {r["context"]: r for r in (report.get("decode") or {}).get("rows", []) if "skipped" not in r and "context" in r}
 
 
-def recall_acc_at(report: dict, context) -> float | None:
-    """Recall accuracy at one context of the recall suite, the mean over its depths."""
+def recall_grid(report: dict) -> tuple[list, list]:
+    """The recall suite's contexts and its accuracy row at each: passkey (a row over depths) or, for an
+    MQAR-trained run, MQAR (seq_len as the context, a row over num_kv_pairs, null where a cell cannot hold)."""
     recall = report.get("recall") or {}
-    contexts = recall.get("contexts", [])
-    return mean(recall["acc"][contexts.index(context)]) if context in contexts and "acc" in recall else None
+    grid = recall.get("mqar", recall)
+    contexts = grid.get("contexts", grid.get("seq_lens", []))
+    rows = [[a for a in row if a is not None] for row in grid.get("acc", [])]
+    return contexts, rows
+
+
+def recall_acc_at(report: dict, context) -> float | None:
+    """Recall accuracy at one context of the recall suite, the mean over its row (depths, or MQAR's kv pairs)."""
+    contexts, rows = recall_grid(report)
+    return mean(rows[contexts.index(context)]) if context in contexts and len(rows) == len(contexts) else None
 
 
 def common_context(reports: list[dict], contexts_of) -> int | None:
@@ -932,13 +942,14 @@ def plot_suites(points: list[EvalPoint], out: Path) -> tuple[list[Path], list[st
     colors = {m: f"C{i}" for i, m in enumerate(mixers)}
     both = [p for p in points if p.blocks("recall") and p.blocks("decode")]
     reports = [r for p in both for r in p.reports if r.get("recall") and r.get("decode")]
-    state_at = common_context(reports, lambda r: set(r["recall"].get("contexts", [])) & set(decode_rows(r)))
+    state_at = common_context(reports, lambda r: set(recall_grid(r)[0]) & set(decode_rows(r)))
     speed_at = common_context(reports, lambda r: decode_rows(r))
     for name, context, x_of, y_of, xlabel, ylabel in (
             ("recall_state.png", state_at, lambda r, c: decode_rows(r)[c].get("cache_bytes"), recall_acc_at,
              "decode-cache bytes per sequence", "recall accuracy (mean over depths)"),
             ("recall_throughput.png", speed_at, lambda r, c: decode_rows(r)[c].get("decode_tokens_per_sec"),
-             lambda r, c: (r.get("scores") or {}).get("recall/acc"), "decode tokens/s", "recall accuracy (recall/acc)")):
+             lambda r, c: next((v for k in ("recall/acc", "recall/mqar_acc") if (v := (r.get("scores") or {}).get(k)) is not None), None),
+             "decode tokens/s", "recall accuracy (recall/acc or recall/mqar_acc)")):
         if context is None:
             if both:
                 notes.append(f"{name}: no context that every run's recall and decode suites share")

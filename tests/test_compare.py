@@ -583,3 +583,12 @@ def test_runs_of_different_sweeps_with_one_name_are_told_apart(tmp_path):
         write_run(tmp_path / folder, tiny_config(), train_rows([100.0], [5.0]))
     runs, _ = compare.discover([tmp_path])
     assert sorted(r.name for r in runs) == ["1_1", "b2_gdn/0_0", "b2_softmax/0_0"]
+
+
+def test_an_mqar_run_is_a_recall_point():
+    """An MQAR-trained run's recall block (accuracy over seq_len x num_kv_pairs, null where a cell cannot hold)
+    gives the recall plots its accuracy at a seq_len: the mean over kv pairs."""
+    report = {"recall": {"mqar": {"seq_lens": [64, 128], "num_kv_pairs": [2, 8], "acc": [[1.0, 0.5], [0.5, None]]}}}
+    assert compare.recall_grid(report) == ([64, 128], [[1.0, 0.5], [0.5]])
+    assert (compare.recall_acc_at(report, 64), compare.recall_acc_at(report, 128), compare.recall_acc_at(report, 256)) == (
+        0.75, 0.5, None)
