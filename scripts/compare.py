@@ -605,7 +605,7 @@ def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> lis
         config = flat(json.loads(config_json))
         if label in seen:  # the same blocks with other options: name the options that differ
             base = seen[label]
-            label += " " + ",".join(f"{k.rpartition('.')[2]}={config.get(k)}"
+            label += " " + ",".join(f"{k.rpartition('.')[2]}={value_text(config.get(k))}"
                                     for k in sorted(base.keys() | config.keys()) if base.get(k) != config.get(k))
         seen.setdefault(label, config)
         score = "mqar_acc" if all(s["mqar_acc"] is not None for _, s in members) else "val_loss"
