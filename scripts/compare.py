@@ -18,7 +18,8 @@ Writes to --out (default reports/<date>_<time>):
   tokens=...)" (steps, batch and seq_len shared), else "mixed budgets: ..." with each budget's run count;
   train_flops is the final tokens x run_info.json's train_flops_per_token (rebuilt from the config if absent);
 - val_loss_tokens.png, val_loss_time.png: val loss against tokens seen and wall-clock seconds;
-- val_bpb_flops.png, val_bpb_time.png: val bpb (val loss unless every run has bpb) against training FLOPs
+- val_bpb_flops.png, val_bpb_time.png (and under --best-over best_<KEY>/all_val_bpb_flops.png, all_val_bpb_time.png:
+  one line per architecture at its best value, its seeds averaged): val bpb (val loss unless every run has bpb) against training FLOPs
   (tokens seen x train_flops_per_token, log x) and wall-clock seconds;
 - throughput.png: training tokens/s per run (MFU in the label);
 - moe_load.png: per-expert share of routed tokens (layer x expert) at the last log, one panel per
@@ -795,7 +796,40 @@ def plot_best_over(archs: list[Architecture], key: str, out: Path) -> list[Path]
         fig.savefig(path, dpi=120)
         plt.close(fig)
         written.append(path)
-    return written + plot_architectures_together(archs, key, folder)
+    return written + plot_architectures_together(archs, key, folder) + plot_best_curves(archs, key, folder)
+
+
+def plot_best_curves(archs: list[Architecture], key: str, folder: Path) -> list[Path]:
+    """all_val_bpb_flops.png, all_val_bpb_time.png: each architecture at its best KEY, one line, its seeds' curves averaged
+    evaluation by evaluation (seeds of one configuration evaluate at the same steps): val bpb against training
+    FLOPs, the equal-compute picture, and against wall-clock seconds."""
+    import matplotlib.pyplot as plt
+
+    best = [(a, list(zip(a.members[a.best()], a.runs[a.best()]))) for a in archs]
+    metric = "val/bpb" if all(s["val_bpb"] is not None for _, runs in best for _, s in runs) else "val/loss"
+    written = []
+    for name, x in (("all_val_bpb_flops.png", "flops"), ("all_val_bpb_time.png", "time")):
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for a, runs in best:
+            curves = [c for run, s in runs if (c := curve(run, s, x, metric))]
+            if curves:
+                pts = [(statistics.mean(c[i][0] for c in curves), statistics.mean(c[i][1] for c in curves))
+                       for i in range(min(map(len, curves)))]
+                ax.plot(*zip(*pts), "o-", ms=3, label=f"{a.label} ({key} {value_text(a.best())}, {len(curves)} seed(s))")
+        if not ax.lines:
+            plt.close(fig)
+            continue
+        if x == "flops":
+            ax.set_xscale("log")
+        ax.set_xlabel(CURVE_AXES[x])
+        ax.set_ylabel("val bpb" if metric == "val/bpb" else "val loss (nats/token)")
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(folder / name, dpi=120)
+        plt.close(fig)
+        written.append(folder / name)
+    return written
 
 
 def plot_architectures_together(archs: list[Architecture], key: str, folder: Path) -> list[Path]:

@@ -492,6 +492,9 @@ def test_compare_flops_axis_and_budget_sections(tmp_path, plotted):
     assert "## Best trainer.lr per architecture, equal FLOPs (trainer.flops_budget=1e+09)" in md
     assert "## Best trainer.lr per architecture, equal FLOPs (trainer.flops_budget=2e+09)" in md
     assert md.count("| 0.02 | - |") == 2  # each budget's lr grid is one architecture, best inside
+    # best_trainer_lr/all_val_bpb_flops.png: one line per architecture (budget) at its best lr (2e-2: loss 2.0 at the end)
+    assert plotted["all_val_bpb_flops.png"] == [([10 * 256 * 1000.0, 20 * 256 * 1000.0], [1.5, 1.0])] * 2
+    assert (out / "best_trainer_lr" / "all_val_bpb_flops.png").exists()
 
 
 def eval_report(seq_lens=(64, 128), bands=(2.0, 2.5), acc=((1.0, 0.5), (0.5, 0.0)), decode=(100.0, 50.0)) -> dict:
