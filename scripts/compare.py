@@ -29,7 +29,8 @@ Writes to --out (default reports/<date>_<time>):
   softmax K/V = 2 L T H_kv d_head, gdn/linear H K V (+ normaliser/conv buffers), mamba2 H P N
   (+ conv)) and against d_model, one line per mixer, as in zoology;
 - from eval.py's suites in <run>/final/eval/eval.json (a run without a suite's block is left out of its plots):
-  length.png (loss by position at the longest length evaluated, log x, a line at the training length) and the
+  length.png (loss by position at the longest length evaluated, averaged in log-spaced bins, log x, a line at the
+  training length) and the
   table "Loss by length" in compare.md (loss per band: 1x, 2x, ... the training length); recall_state.png (recall
   accuracy, passkey or an MQAR run's at that seq_len, against decode-cache bytes at the largest context every run's
   recall and decode suites share, coloured by mixer, as zoology); recall_throughput.png (recall/acc or
@@ -75,6 +76,7 @@ from pathlib import Path
 
 from training.plots import LOAD  # moe/layer<i>/load
 from training.metrics import read_metrics
+from training.suites import log_binned
 from training.tracking import schedule_tag
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -962,7 +964,7 @@ def plot_suites(points: list[EvalPoint], out: Path) -> tuple[list[Path], list[st
     if curves:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, (length, losses), _ in curves:
-            ax.plot(range(1, len(losses) + 1), losses, lw=1, label=f"{label} (length {length})")
+            ax.plot(*log_binned(losses), lw=1, label=f"{label} (length {length})")
         for t in sorted({b["train_seq_len"] for _, _, blocks in curves for b in blocks if b.get("train_seq_len")}):
             ax.axvline(t, color="gray", ls="--", lw=1, label=f"training length {t}")
         ax.set_xscale("log")

@@ -201,3 +201,13 @@ def test_eval_py_runs_the_suites(tiny_run, data_cache, tmp_path):
     assert {f"length/loss_{band}" for band in length["bands"]} <= set(scores) and "length/loss_1x" in scores
     for png in ("length_loss.png", "recall_heatmap.png", "decode.png", "per_position_loss.png"):
         assert (tmp_path / png).stat().st_size > 0
+
+
+def test_log_binned_averages_within_bins():
+    """loss = position: each bin's mean loss is its mean position; a step in the loss stays a step."""
+    from training.suites import log_binned
+
+    x, y = log_binned([float(p) for p in range(1, 2048)], bins=20)
+    assert x == y and x[0] == 1.0 and x == sorted(x) and len(x) <= 20
+    x, y = log_binned([1.0] * 127 + [3.0] * 1920, bins=11)  # edges 1, 2, 4, ..., 2048: the step at 128 is an edge
+    assert y == [1.0] * 7 + [3.0] * 4

@@ -153,13 +153,23 @@ def length_scores(report: dict) -> dict[str, float]:
     return {f"length/loss_{band}": loss for band, loss in report["bands"].items()}
 
 
+def log_binned(losses: list[float], bins: int = 48) -> tuple[list[float], list[float]]:
+    """The loss at target positions 1..n averaged within `bins` log-spaced bins of positions (over a few
+    sequences one position's loss is mostly noise): (each bin's mean position, its mean loss)."""
+    positions = np.arange(1, len(losses) + 1)
+    edges = np.unique(np.rint(np.geomspace(1, len(losses) + 1, bins + 1)).astype(int))
+    cuts = [(positions >= lo) & (positions < hi) for lo, hi in zip(edges[:-1], edges[1:])]
+    return ([float(positions[c].mean()) for c in cuts if c.any()],
+            [float(np.asarray(losses)[c].mean()) for c in cuts if c.any()])
+
+
 def plot_length(report: dict, title: str, path: Path) -> Path:
-    """Loss by position (log x) at each length, a vertical line at the training length."""
+    """Loss by position (log x, averaged in log-spaced bins: log_binned) at each length, a vertical line at the
+    training length."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for length in report["seq_lens"]:
-        losses = report["per_position"][str(length)]
-        ax.plot(range(1, len(losses) + 1), losses, label=f"L = {length}", linewidth=0.8)
+        ax.plot(*log_binned(report["per_position"][str(length)]), label=f"L = {length}", linewidth=0.8)
     ax.axvline(report["train_seq_len"], color="gray", linestyle="--", label="training length")
     ax.set_xscale("log")
     ax.set_xlabel("target position (tokens of context)")
