@@ -455,6 +455,16 @@ def curve(run: Run, summary: dict, x: str, metric: str) -> list[tuple[float, flo
     return [(at(r), r[metric]) for r in run.rows if metric in r and at(r) is not None]
 
 
+def style_curve_axes(ax, x: str, metric: str) -> None:
+    """A metric-against-budget plot's axes: log x for FLOPs, the axis names, legend and grid."""
+    if x == "flops":
+        ax.set_xscale("log")
+    ax.set_xlabel(CURVE_AXES[x])
+    ax.set_ylabel("val bpb" if metric == "val/bpb" else "val loss (nats/token)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+
+
 def plot_all(runs: list[Run], summaries: list[dict], out: Path, mqar_points: list[dict] | None = None) -> list[Path]:
     """mqar_points: the summaries the MQAR plots show (default: every run's)."""
     import matplotlib
@@ -480,12 +490,7 @@ def plot_all(runs: list[Run], summaries: list[dict], out: Path, mqar_points: lis
         fig, ax = plt.subplots(figsize=(7, 4.5))
         for label, pts in curves:
             ax.plot(*zip(*pts), "o-", ms=3, label=label)
-        if x == "flops":
-            ax.set_xscale("log")
-        ax.set_xlabel(CURVE_AXES[x])
-        ax.set_ylabel("val bpb" if metric == "val/bpb" else "val loss (nats/token)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+        style_curve_axes(ax, x, metric)
         save(fig, name)
 
     tput = [s for s in summaries if s["tokens_per_sec"]]
@@ -821,12 +826,7 @@ def plot_best_curves(archs: list[Architecture], key: str, folder: Path) -> list[
         if not ax.lines:
             plt.close(fig)
             continue
-        if x == "flops":
-            ax.set_xscale("log")
-        ax.set_xlabel(CURVE_AXES[x])
-        ax.set_ylabel("val bpb" if metric == "val/bpb" else "val loss (nats/token)")
-        ax.legend(fontsize=7)
-        ax.grid(alpha=0.3)
+        style_curve_axes(ax, x, metric)
         fig.tight_layout()
         fig.savefig(folder / name, dpi=120)
         plt.close(fig)
