@@ -381,10 +381,10 @@ def budget_line(configs: list[dict]) -> str:
 
 def summarize_run(run: Run) -> dict:
     c, rows = run.config, run.rows
-    if c and (run.params is None or run.info.get("train_flops_per_token") is None):  # rebuilt as training/run.py counts
-        model = build_model(c, meta=True)
-        run.params = run.params or model.parameter_counts()
-        run.info.setdefault("train_flops_per_token", 3 * model.flops_per_token(c["trainer"]["seq_len"]))
+    if c and run.params is None:  # rebuilt and counted as training/run.py counts
+        run.params = build_model(c, meta=True).parameter_counts()
+    if c and run.info.get("train_flops_per_token") is None and {"data", "trainer"} <= c.keys():  # a run from before
+        run.info["train_flops_per_token"] = 3 * build_model(c, meta=True).flops_per_token(c["trainer"]["seq_len"])
     flops_per_token, tokens = run.info.get("train_flops_per_token"), last(rows, "tokens_seen")
     mixer = cfg_get(c, "model.mixer") or cfg_get(c, "mixer.name") or cfg_get(c, "arch.mixer")
     ffn = cfg_get(c, "model.ffn") or cfg_get(c, "ffn.name") or cfg_get(c, "arch.ffn")
