@@ -1,4 +1,5 @@
-"""common/files.py: temp name then rename, for files and folders, replacing or keeping what is there."""
+"""common/files.py: temp name then rename, for files and folders, replacing or keeping what is there;
+and metrics.jsonl, appended row by row, read while it is written."""
 import os
 
 import pytest
@@ -48,3 +49,19 @@ def test_an_error_removes_the_temp_and_leaves_the_final_alone(tmp_path):
         tmp.write_text("half")
         raise RuntimeError("write failed")
     assert final.read_text() == "good" and sorted(p.name for p in tmp_path.iterdir()) == ["cache.json"]
+
+
+def test_a_half_written_metrics_row_is_not_read_and_a_resumed_writer_drops_it(tmp_path):
+    """A reader polling a live run's metrics.jsonl can catch an append half-way (CI once failed on
+    exactly that: JSONDecodeError at the cut); a run killed mid-append leaves such a row behind."""
+    from types import SimpleNamespace
+
+    from training.metrics import MetricsWriter, read_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "train/loss": 5.0}\n{"step": 2, "train/lo')
+    assert read_metrics(tmp_path) == [{"step": 1, "train/loss": 5.0}]
+    writer = MetricsWriter(SimpleNamespace(is_main_process=True), tmp_path, use_tracker=False)
+    writer.log({"train/loss": 4.0}, step=2)
+    assert path.read_text() == '{"step": 1, "train/loss": 5.0}\n{"step": 2, "train/loss": 4.0}\n'
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]

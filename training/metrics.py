@@ -22,6 +22,8 @@ class MetricsWriter:
         self.accelerator = accelerator
         self.path = Path(run_dir) / "metrics.jsonl"
         self.use_tracker = use_tracker
+        if accelerator.is_main_process:
+            drop_unfinished_row(self.path)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.accelerator.is_main_process:
@@ -49,9 +51,23 @@ def per_element(key: str, values: list) -> dict:
     return {f"{key}/{j}": v for j, v in enumerate(values)}
 
 
+def finished_rows(text: str) -> str:
+    """The rows up to the last newline: a row is finished once its newline is written. A reader of a
+    live run can see the row being written half-way (one append is not atomic for a reader), and a run
+    killed mid-append leaves one half-written."""
+    return text[: text.rfind("\n") + 1]
+
+
+def drop_unfinished_row(path: Path) -> None:
+    """A resumed run appends after the rows its killed run finished, not onto a half-written one."""
+    if path.exists() and (text := path.read_text()) != (finished := finished_rows(text)):
+        path.write_text(finished)
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
+    """The finished rows (a live run may be writing its next one)."""
     path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    return [json.loads(line) for line in finished_rows(path.read_text()).splitlines() if line.strip()] if path.exists() else []
 
 
 def perplexity(loss: float) -> float:
