@@ -46,8 +46,9 @@ config (on the meta device) and counted.
 are one architecture; runs at different budgets are different architectures (a budget's derived
 trainer.max_steps aside), each budget with its own tables, named in the heading. Per architecture and
 KEY value the score (MQAR accuracy if every run of the architecture has one, else val loss) is averaged
-over seeds; the table "best KEY per architecture" gives the best value's mean, min-max over seeds, every
-value's mean and an edge flag: "low edge" / "high edge" when the best is the smallest / largest value swept
+over the seeds that ran at every value (all seeds where none did), and the best value is picked on these
+means; the table "best KEY per architecture" gives the best value's mean and min-max over all its seeds,
+every value's matched mean and an edge flag: "low edge" / "high edge" when the best is the smallest / largest value swept
 (numeric KEY), "single value" when only one was. Each flagged architecture gets a bold warning under the
 table and a console line with the scripts/sweep.py command that sweeps one step beyond (its best run's
 overrides from .hydra/overrides.yaml, else the config entries that tell it from the others; KEY continuing
@@ -563,8 +564,19 @@ class Architecture:
     def means(self) -> dict:
         return {v: statistics.mean(scores) for v, scores in sorted(self.points.items())}
 
+    def compared_seeds(self) -> set:
+        """The seeds that ran at every value (empty where none did)."""
+        return set.intersection(*({cfg_get(r.config, "seed") for r in runs} for runs in self.members.values()))
+
+    def matched_means(self) -> dict:
+        """KEY value -> mean score over compared_seeds (over every seed where no seed ran at every value):
+        two seeds at one lr against one at another would pit a seed's luck against the lr."""
+        seeds = self.compared_seeds()
+        return {v: statistics.mean(s[self.score] for s, r in zip(self.runs[v], self.members[v])
+                                   if not seeds or cfg_get(r.config, "seed") in seeds) for v in sorted(self.runs)}
+
     def best(self):
-        means = self.means()
+        means = self.matched_means()
         pick = max if self.score == "mqar_acc" else min
         return pick(means, key=means.get)
 
@@ -688,14 +700,15 @@ def edge_text(key: str, best, values: list, flag: str) -> str:
 
 
 def best_over_table(archs: list[Architecture], key: str) -> str:
-    lines = [f"| architecture | score | best {key} | edge | mean | min-max | seeds | mean at every {key} |",
+    lines = [f"| architecture | score | best {key} | edge | mean | min-max | seeds | mean at every {key} (seeds compared) |",
              "|---|---|---|---|---|---|---|---|"]
     for a in archs:
         best = a.best()
         scores = a.points[best]
-        every = ", ".join(f"{value_text(v)}: {m:.4g}" for v, m in a.means().items())
+        every = ", ".join(f"{value_text(v)}: {m:.4g}" for v, m in a.matched_means().items())
+        compared = ", ".join(value_text(s) for s in sorted(a.compared_seeds(), key=str)) or "all"
         lines.append(f"| {a.label} | {a.score} | {value_text(best)} | {a.edge()[0] or '-'} | {statistics.mean(scores):.4g} | "
-                     f"{min(scores):.4g}-{max(scores):.4g} | {len(scores)} | {every} |")
+                     f"{min(scores):.4g}-{max(scores):.4g} | {len(scores)} | {every} ({compared}) |")
     return "\n".join(lines)
 
 
@@ -712,7 +725,8 @@ def best_over_sections(archs: list[Architecture], key: str) -> tuple[list[str], 
         md += [f"## Best {key} per architecture" + (f", {budget_text}" if budget_text else ""), "",
                best_over_table(group, key), "", *[f"**Warning: {w}**\n" for w in lines],
                f"score: MQAR accuracy (higher is better) or val loss (lower is better) at the last evaluation, "
-               f"mean and min-max over seeds at the best {key}; edge: the best is the lowest or highest {key} swept "
+               f"mean and min-max over seeds at the best {key}, which is picked on the seeds that ran at every {key} "
+               f"(the means at every {key}); edge: the best is the lowest or highest {key} swept "
                f"(or the only one): the optimum may lie beyond. Every point is in best_{key.replace('.', '_')}/"
                f"<architecture>.png and in the table of every run.", "", f"At the best {key}, means over seeds:", "",
                at_best_table(group, key), ""]
@@ -726,7 +740,8 @@ def edge_report(archs: list[Architecture], key: str) -> list[dict]:
     for a in archs:
         flag, beyond = a.edge()
         out.append({"architecture": a.label, "key": key, "budget": a.budget(), "score": a.score, "best": a.best(),
-                    "means": [[v, m] for v, m in a.means().items()], "edge": flag, "beyond": beyond,
+                    "means": [[v, m] for v, m in a.matched_means().items()],
+                    "seeds_compared": sorted(a.compared_seeds(), key=str), "edge": flag, "beyond": beyond,
                     "command": extension_command(a, archs, key, beyond) if beyond else None,
                     "best_runs": [r.name for r in a.members[a.best()]]})
     return out

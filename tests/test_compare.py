@@ -300,11 +300,11 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
     out = tmp_path / "report"
     assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
     md = (out / "compare.md").read_text()
-    assert "| gdn-dense-d32 | mqar_acc | 0.003 | - | 0.8 | 0.7-0.9 | 2 | 0.001: 0.3, 0.003: 0.8, 0.01: 0.1 |" in md
-    assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.001 | single value | 2.4 | 2.4-2.4 | 2 | 0.001: 2.4 |" in md
+    assert "| gdn-dense-d32 | mqar_acc | 0.003 | - | 0.8 | 0.7-0.9 | 2 | 0.001: 0.3, 0.003: 0.8, 0.01: 0.1 (0, 1) |" in md
+    assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.001 | single value | 2.4 | 2.4-2.4 | 2 | 0.001: 2.4 (0, 1) |" in md
     # and the other columns at the best lr, means over the seeds (tokens/s: 20 and 40 after the first log)
     assert "| softmax-dense-d32 warmup_steps=7 | 0.001 | 30 |" in md
-    assert "| softmax-dense-d32 | val_loss | 0.001 | low edge | 2.1 | 2-2.2 | 2 | 0.001: 2.1, 0.003: 2.5, 0.01: 3.1 |" in md
+    assert "| softmax-dense-d32 | val_loss | 0.001 | low edge | 2.1 | 2-2.2 | 2 | 0.001: 2.1, 0.003: 2.5, 0.01: 3.1 (0, 1) |" in md
     assert md.count("| gdn_") + md.count("| softmax_") == 12  # every run stays in the full table
     for arch in ("gdn-dense-d32", "softmax-dense-d32"):
         assert (out / "best_trainer_lr" / f"{arch}.png").stat().st_size > 1000
@@ -339,7 +339,7 @@ def test_compare_best_over_parametrization(tmp_path):
     out = tmp_path / "report"
     assert compare.main([str(runs), "--out", str(out), "--best-over", "model.parametrization"]) == 0
     md = (out / "compare.md").read_text()
-    assert "| gdn-dense-d32 | mqar_acc | tied | - | 0.85 | 0.8-0.9 | 2 | per_mixer: 0.6, tied: 0.85 |" in md, md
+    assert "| gdn-dense-d32 | mqar_acc | tied | - | 0.85 | 0.8-0.9 | 2 | per_mixer: 0.6, tied: 0.85 (0, 1) |" in md, md
     assert (out / "best_model_parametrization" / "gdn-dense-d32.png").stat().st_size > 1000
 
 
@@ -420,6 +420,28 @@ def test_compare_best_over_flags_the_grid_edge(tmp_path, capsys):
     assert report["mamba2-dense-d32"]["edge"] is None and report["mamba2-dense-d32"]["command"] is None
     assert {name: report[name]["command"] for name in extend} == extend
     assert sorted(report["softmax-dense-d32"]["best_runs"]) == ["softmax_0.02_0", "softmax_0.02_1"]
+
+
+def test_compare_best_over_picks_on_the_seeds_every_value_ran(tmp_path):
+    """The study's gdn at B2: seeds 0 and 1 at 1e-2 (seed 1 unlucky), seed 0 alone at 5e-3 and 2e-2. Over all
+    seeds 5e-3 would win and be flagged at the low edge; on seed 0, the seed every lr ran, 1e-2 is best,
+    inside the grid. The table still gives 1e-2's mean and min-max over both its seeds. Without a seed common
+    to every lr, all seeds are compared."""
+    runs = tmp_path / "runs"
+    scores = {(5e-3, 0): 5.604, (1e-2, 0): 5.568, (1e-2, 1): 5.698, (2e-2, 0): 5.609,  # gdn
+              (5e-3, 2): 3.0, (1e-2, 3): 2.0, (2e-2, 4): 2.5}  # mamba2: no seed at every lr
+    for (lr, seed), loss in scores.items():
+        mixer = "gdn" if seed < 2 else "mamba2"
+        write_run(runs / f"{mixer}_{lr}_{seed}", at(tiny_config(f"mixer={mixer}"), lr, seed), train_rows([10, 10], [6.0, loss]),
+                  params={"total": 1, "active": 1})
+    out = tmp_path / "report"
+    assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
+    md = (out / "compare.md").read_text()
+    assert "| gdn-dense-d32 | val_loss | 0.01 | - | 5.633 | 5.568-5.698 | 2 | 0.005: 5.604, 0.01: 5.568, 0.02: 5.609 (0) |" in md, md
+    assert "| mamba2-dense-d32 | val_loss | 0.01 | - | 2 | 2-2 | 1 | 0.005: 3, 0.01: 2, 0.02: 2.5 (all) |" in md, md
+    report = {a["architecture"]: a for a in json.loads((out / "best_over.json").read_text())}
+    assert (report["gdn-dense-d32"]["seeds_compared"], report["gdn-dense-d32"]["edge"]) == ([0], None)
+    assert report["mamba2-dense-d32"]["seeds_compared"] == []
 
 
 def test_compare_best_over_tags_wandb_runs_on_the_edge(tmp_path, monkeypatch):
