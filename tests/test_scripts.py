@@ -206,9 +206,17 @@ def test_bench_suite_runs(suite, tmp_path, monkeypatch, data_cache):
     if suite == "recipe":  # the tiny model, 4 steps, on 40 files (ours, the peer in its process, the val split)
         small_stdlib(monkeypatch)
         monkeypatch.setattr(module, "WORK", tmp_path)
-        peer = module.PEER.replace('{"max_documents": None', '{"max_documents": 40')
-        assert peer != module.PEER
+        # the peer: one step on 40 files (its wall-clock budget, our run's wall time, only times it)
+        loop = "while (elapsed := time.time() - t0) < train_seconds:"
+        peer = module.PEER.replace('{"max_documents": None', '{"max_documents": 40').replace(
+            loop, loop[:-1] + " or step == 0:")
+        assert peer.count('{"max_documents": 40') == 1 and peer.count("< train_seconds or step == 0:") == 1
         monkeypatch.setattr(module, "PEER", peer)
+        train_peer = module.train_peer
+        monkeypatch.setattr(module, "train_peer", lambda budget: train_peer(0.0))
+        # both models scored on the first 4,000 characters of each val document (several windows each)
+        val_documents = module.val_documents
+        monkeypatch.setattr(module, "val_documents", lambda: [d[:4000] for d in val_documents()])
         train_ours = module.train_ours
         monkeypatch.setattr(module, "train_ours", lambda name, overrides, cache: train_ours(
             name, [*TINY_MODEL, "trainer.max_steps=4", "trainer.eval_batches=1", "trainer.sample_tokens=0", *overrides],
@@ -218,4 +226,6 @@ def test_bench_suite_runs(suite, tmp_path, monkeypatch, data_cache):
     if suite == "data":  # the peer and ours tokenize the same corpus with the same tokenizer
         peer, ours = table_rows(report)[1:3]
         assert peer[-1] == ours[-1] and int(ours[-1].replace(",", "")) > 0, report
+    if suite == "recipe":  # the peer trained its one step of 16 x 256 tokens
+        assert table_rows(report)[1][2] == "4,096", report
 
