@@ -62,18 +62,22 @@ def test_linearize_both_parts(tmp_path, softmax_run, monkeypatch):
     assert (tmp_path / "layer_errors.png").stat().st_size > 0
 
 
-def test_linearize_study(tmp_path, softmax_run, data_cache):
+def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch):
     """The tiny softmax run linearized into derived GDN at two lrs (2 steps: transfer 1, distill 1) beside derived
     GDN from scratch for 2 steps: the table's row holds the teacher's val bpb gap, the zero-shot score of step 0
-    (the same at both lrs: nothing trained yet), a best lr flagged as the grid's edge, and the curves plot."""
+    (the same at both lrs: nothing trained yet), a best lr flagged as the grid's edge, and the curves plot. The
+    script runs in this process (its train.py runs in their own), as `python scripts/linearize_study.py ...`."""
+    from scripts import linearize_study
+
     overrides = [o for o in TINY_MODEL if o != "logger=none"] + ["trainer.seq_len=64", "trainer.batch_size=4",
                                                                    "trainer.warmup_steps=1", "trainer.eval_batches=2"]
-    proc = subprocess.run([sys.executable, "scripts/linearize_study.py", "--teacher", str(softmax_run), "--out",
-                           str(tmp_path), "--students", "derived_gdn", "--seeds", "0", "--lrs", "1e-3,3e-3", "--steps", "2",
-                           "--split", "1/1", "--teacher-tokens", "none", "--", *overrides], cwd=ROOT, capture_output=True,
-                          text=True, env={**os.environ, "SWAPLM_CACHE": str(data_cache)}, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "running 3" in proc.stdout and "FAILED" not in proc.stdout
+    monkeypatch.setenv("SWAPLM_CACHE", str(data_cache))
+    monkeypatch.setattr(sys, "argv", ["scripts/linearize_study.py", "--teacher", str(softmax_run), "--out", str(tmp_path),
+                                      "--students", "derived_gdn", "--seeds", "0", "--lrs", "1e-3,3e-3", "--steps", "2",
+                                      "--split", "1/1", "--teacher-tokens", "none", "--", *overrides])
+    linearize_study.main()
+    stdout = capsys.readouterr().out
+    assert "running 3" in stdout and "FAILED" not in stdout, stdout[-3000:]
     (row,) = [r for r in table_rows((tmp_path / "table.md").read_text()) if r[0] == "derived_gdn"][:1]
     assert "(edge of grid)" in row[1]
     zero_shot = [json.loads(l)["val/bpb"] for lr in ("0.001", "0.003")
@@ -83,11 +87,12 @@ def test_linearize_study(tmp_path, softmax_run, data_cache):
     assert all(math.isfinite(float(c.split()[0])) for c in row[2:8]), row
     assert (tmp_path / "curves.png").stat().st_size > 0
     # --report with a seed not run: nothing starts, and the row says how many seeds it holds
-    proc = subprocess.run([sys.executable, "scripts/linearize_study.py", "--teacher", str(softmax_run), "--out",
-                           str(tmp_path), "--students", "derived_gdn", "--seeds", "0,1", "--lrs", "1e-3,3e-3", "--steps", "2",
-                           "--split", "1/1", "--report", "--", *overrides], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600)
-    assert proc.returncode == 0 and "running" not in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    monkeypatch.setattr(sys, "argv", ["scripts/linearize_study.py", "--teacher", str(softmax_run), "--out", str(tmp_path),
+                                      "--students", "derived_gdn", "--seeds", "0,1", "--lrs", "1e-3,3e-3", "--steps", "2",
+                                      "--split", "1/1", "--report", "--", *overrides])
+    linearize_study.main()
+    stdout = capsys.readouterr().out
+    assert "running" not in stdout, stdout[-3000:]
     assert not list(tmp_path.glob("*_s1*"))
     (row,) = [r for r in table_rows((tmp_path / "table.md").read_text()) if r[0] == "derived_gdn"][:1]
     assert row[5].endswith("[1 of 2 seeds]"), row
