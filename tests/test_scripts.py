@@ -98,19 +98,23 @@ def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch)
     assert row[5].endswith("[1 of 2 seeds]"), row
 
 
-def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache):
+def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache, capfd, monkeypatch):
     """From the tiny softmax run: the four train.py stages at seq_len 128 (DSA's default top-k 64 is
     below it), init_from loading every matching weight (the indexer new), and the summary: the stages
     whose attention is dense (softmax, DSA with an untrained or a warmed-up indexer) have one val loss,
-    since the LM loss does not depend on the indexer there."""
+    since the LM loss does not depend on the indexer there. The script runs in this process (its
+    train.py stages in their own, writing to this process's stdout), as `python scripts/dsa_extend.py ...`."""
+    from scripts import dsa_extend
+
     overrides = [*TINY_MODEL, "trainer.seq_len=128", "trainer.max_steps=2", "trainer.warmup_steps=1",
                  "trainer.eval_every=2", "trainer.ckpt_every=2", "trainer.eval_batches=1"]
-    proc = subprocess.run([sys.executable, "scripts/dsa_extend.py", "--softmax-run", str(softmax_run),
-                           "--out", str(tmp_path), "--", *overrides], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, "SWAPLM_CACHE": str(data_cache)}, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    monkeypatch.setenv("SWAPLM_CACHE", str(data_cache))
+    monkeypatch.setattr(sys, "argv", ["scripts/dsa_extend.py", "--softmax-run", str(softmax_run), "--out", str(tmp_path),
+                                      "--", *overrides])
+    dsa_extend.main()
+    stdout = capfd.readouterr().out
     loaded = re.findall(r"init_from \S+: loaded (\d+) tensors; new: (.*?); unused: none; shape mismatch: none",
-                        proc.stdout)
+                        stdout)
     assert len(loaded) == 4 and loaded[0][1] == "none" and all(".indexer." in new for _, new in loaded[1:3])
     rows = table_rows((tmp_path / "summary.md").read_text())[1:]
     assert [r[1] for r in rows] == ["64", "128", "128", "128", "128"]
