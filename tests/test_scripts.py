@@ -212,6 +212,10 @@ def test_bench_suite_runs(suite, tmp_path, monkeypatch, data_cache):
         make_corpus = module.make_corpus
         monkeypatch.setattr(module, "WORK", tmp_path)
         monkeypatch.setattr(module, "make_corpus", lambda folder, size: make_corpus(folder, min(size, 2_200_000)))
+        # the default model's speed: 1 timed step after the first; the loader's: 0.05 s per setting
+        tokens_per_sec, loader = module.default_model_tokens_per_sec, module.loader_throughput
+        monkeypatch.setattr(module, "default_model_tokens_per_sec", lambda steps: tokens_per_sec(1))
+        monkeypatch.setattr(module, "loader_throughput", lambda *args: loader(*args[:3], 0.05))
     if suite == "recipe":  # the tiny model, 4 steps, on 40 files (ours, the peer in its process, the val split)
         small_stdlib(monkeypatch)
         monkeypatch.setattr(module, "WORK", tmp_path)
