@@ -83,21 +83,26 @@ def test_hybrid_moe_run_carries_group_tags_metrics_summary_and_media(tmp_path, d
 
 
 @pytest.mark.slow
-def test_sweep_is_one_group_and_eval_lands_in_the_run(tmp_path, data_cache):
+def test_sweep_is_one_group_and_eval_lands_in_the_run(tmp_path, data_cache, capsys, monkeypatch):
     """scripts/sweep.py, two architectures x two lrs, W&B offline: one group shared by the four runs
     (the one the sweep printed), job_type per architecture, lr in the tags; eval.py logs into one
-    run under eval/; compare.py reads the group and the eval column from the offline folders alone."""
+    run under eval/; compare.py reads the group and the eval column from the offline folders alone.
+    The sweep runs in this process (its train.py jobs in their own), as `python -m scripts.sweep ...`."""
     import os
+
+    from scripts import sweep
 
     out = tmp_path / "sweep"
     tiny = [o for o in TINY if not o.startswith(("logger=", "trainer.max_steps", "trainer.sample_tokens", "trainer.eval_every"))]
     env = {**os.environ, "SWAPLM_CACHE": str(data_cache), "WANDB_MODE": "offline"}
-    proc = subprocess.run([sys.executable, "-m", "scripts.sweep", "ffn=moe", "model.mixer=[gdn,softmax],[gdn,gdn]",
-                           "trainer.lr=1e-3,3e-3", *tiny, "trainer.max_steps=2", "trainer.eval_every=2",
-                           "trainer.sample_tokens=0", "logger=wandb", "--launcher", "python", "--jobs", "2", "--out", str(out)],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    group = re.search(r"W&B group \(with logger=wandb\): (\S+)", proc.stdout).group(1)
+    monkeypatch.setenv("SWAPLM_CACHE", str(data_cache))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    rc = sweep.main(["ffn=moe", "model.mixer=[gdn,softmax],[gdn,gdn]", "trainer.lr=1e-3,3e-3", *tiny, "trainer.max_steps=2",
+                     "trainer.eval_every=2", "trainer.sample_tokens=0", "logger=wandb", "--launcher", "python", "--jobs", "2",
+                     "--out", str(out)])
+    stdout = capsys.readouterr().out
+    assert rc == 0, stdout[-3000:]
+    group = re.search(r"W&B group \(with logger=wandb\): (\S+)", stdout).group(1)
     runs = sorted(p for p in out.iterdir() if p.is_dir())
     assert len(runs) == 4
     seen = [offline_run(next((r / "wandb").glob("offline-run-*"))) for r in runs]
