@@ -6,16 +6,14 @@ must hold whatever the speed (speed itself is never checked here). The benchmark
 recipe suites on a 40-file corpus instead of the whole standard library."""
 import json
 import math
-import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 
-from conftest import ROOT, TINY
+from conftest import TINY
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
