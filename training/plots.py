@@ -3,16 +3,8 @@ heatmap and the imbalance curve (the `moe/...` metrics of model/ffn/moe.py)."""
 import re
 from pathlib import Path
 
+from common.plots import pyplot
 from training.metrics import read_metrics
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_loss_curves(run_dir: Path) -> Path | None:
@@ -22,7 +14,7 @@ def plot_loss_curves(run_dir: Path) -> Path | None:
     val = [(r["tokens_seen"], r["val/loss"]) for r in rows if "val/loss" in r]
     if not train:
         return None
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(*zip(*train), label="train")
     if val:
@@ -51,7 +43,7 @@ def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
         return []
     import numpy as np
 
-    plt = _pyplot()
+    plt = pyplot()
     written = []
     if loads:
         layers = sorted({int(m.group(1)) for r in loads for k in r if (m := LOAD.match(k))})

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from data.types import Split
-from training.plots import _pyplot
+from common.plots import pyplot
 
 NEEDLE_KEY = 'passkey = "'  # the needle is NEEDLE_KEY + key + '"', the query NEEDLE_KEY
 KEY_DIGITS = 5
@@ -166,7 +166,7 @@ def log_binned(losses: list[float], bins: int = 48) -> tuple[list[float], list[f
 def plot_length(report: dict, title: str, path: Path) -> Path:
     """Loss by position (log x, averaged in log-spaced bins: log_binned) at each length, a vertical line at the
     training length."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for length in report["seq_lens"]:
         ax.plot(*log_binned(report["per_position"][str(length)]), label=f"L = {length}", linewidth=0.8)
@@ -306,7 +306,7 @@ def mqar_suite(lm, data_cfg, seq_lens: list[int], num_kv_pairs: list[int], examp
 
 def plot_recall(report: dict, title: str, path: Path) -> Path:
     """Accuracy heatmap: contexts x depths (passkey) or seq_len x num_kv_pairs (MQAR)."""
-    plt = _pyplot()
+    plt = pyplot()
     if "mqar" in report:
         grid = report["mqar"]
         rows, cols, acc = grid["seq_lens"], grid["num_kv_pairs"], grid["acc"]
@@ -455,7 +455,7 @@ def decode_scores(report: dict) -> dict[str, float]:
 
 def plot_decode(report: dict, title: str, path: Path) -> Path:
     """Prefill and decode tokens/s, and cache bytes, against the context (log-log)."""
-    plt = _pyplot()
+    plt = pyplot()
     rows = [r for r in report["rows"] if "skipped" not in r]
     contexts = [r["context"] for r in rows]
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
