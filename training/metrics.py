@@ -5,6 +5,7 @@ to jsonl as lists and to W&B as one scalar per element, named by what the elemen
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 
 import torch
@@ -68,6 +69,18 @@ def read_metrics(run_dir: Path) -> list[dict]:
     """The finished rows (a live run may be writing its next one)."""
     path = Path(run_dir) / "metrics.jsonl"
     return [json.loads(line) for line in finished_rows(path.read_text()).splitlines() if line.strip()] if path.exists() else []
+
+
+def logged(rows: list[dict], key: str) -> list[float]:
+    """The numeric values of `key` over the rows that logged it, in order."""
+    return [r[key] for r in rows if isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)]
+
+
+def median_after_first(rows: list[dict], key: str) -> float | None:
+    """The median of `key` over the logging windows after the first (which includes warm-up and first-call
+    costs), or over the first where it is the only one; None if never logged."""
+    values = logged(rows, key)
+    return statistics.median(values[1:] or values) if values else None
 
 
 def perplexity(loss: float) -> float:

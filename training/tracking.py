@@ -17,11 +17,10 @@ import math
 import netrc
 import os
 import secrets
-import statistics
 from collections import Counter
 from pathlib import Path
 
-from training.metrics import read_metrics
+from training.metrics import logged, median_after_first, read_metrics
 
 TAG_LIMIT = 64  # W&B's limit on a tag's length
 STEP_METRIC = "tokens_seen"
@@ -122,17 +121,10 @@ def define_metrics(run) -> None:
 def run_summary(rows: list[dict], counts: dict, wall_s: float) -> dict:
     """What a project table shows per run: parameters, best val loss / bpb, median tokens/s and MFU
     over the logs after the first (which includes warm-up), wall time."""
-    def values(key):
-        return [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-
-    def median_after_first(key):
-        v = values(key)
-        return statistics.median(v[1:] or v) if v else None
-
     out = {"params/total": counts["total"], "params/active": counts["active"], "time/wall_s": wall_s,
-           "best/val_loss": min(values("val/loss"), default=None), "best/val_bpb": min(values("val/bpb"), default=None),
-           "perf/median_tokens_per_sec": median_after_first("perf/tokens_per_sec"),
-           "perf/median_mfu": median_after_first("perf/mfu")}
+           "best/val_loss": min(logged(rows, "val/loss"), default=None), "best/val_bpb": min(logged(rows, "val/bpb"), default=None),
+           "perf/median_tokens_per_sec": median_after_first(rows, "perf/tokens_per_sec"),
+           "perf/median_mfu": median_after_first(rows, "perf/mfu")}
     return {k: v for k, v in out.items() if v is not None}
 
 
