@@ -32,9 +32,6 @@ PER_MIXER = "per_mixer"
 
 class LMConfig(PretrainedConfig):
     model_type = "swaplm"
-    # `attention` was this config's name for `mixer`: config.attention and from_pretrained(..., attention=...)
-    # read and set `mixer` (and __init__ takes it, so config.json files that say "attention" still load).
-    attribute_map = {"attention": "mixer"}
 
     def __init__(
         self,
@@ -76,7 +73,7 @@ class LMConfig(PretrainedConfig):
             raise ValueError(f"parametrization={parametrization!r}; valid: {', '.join([PER_MIXER, *PARAMETRIZATIONS])}")
         self.parametrization = parametrization
         # A name applies to every layer; a list gives one name per layer (hybrid schedules).
-        mixer = kwargs.pop("attention", mixer)  # config.json saved before the rename
+        mixer = kwargs.pop("attention", mixer)  # a config.json saved when `mixer` was called `attention`
         self.mixer = list(mixer) if not isinstance(mixer, str) else mixer
         self.ffn = list(ffn) if not isinstance(ffn, str) else ffn
         # Per-kind options, keyed by mixer / FFN name: {"gdn": {"conv_size": 4}, ...}.

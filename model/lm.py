@@ -40,9 +40,12 @@ class DecodeCache:
                 if torch.is_tensor(value) and value.dim() > 0:
                     layer[key] = value.index_select(0, beam_idx.to(value.device))
 
+    def layer_nbytes(self) -> list[int]:
+        """Bytes of every tensor each layer keeps (K/V, conv tails, recurrent states)."""
+        return [sum(v.numel() * v.element_size() for v in layer.values() if torch.is_tensor(v)) for layer in self.layers]
+
     def nbytes(self) -> int:
-        return sum(v.numel() * v.element_size() for layer in self.layers for v in layer.values()
-                   if torch.is_tensor(v))
+        return sum(self.layer_nbytes())
 
 
 @dataclass

@@ -10,9 +10,14 @@ import dataclasses
 import typing
 
 
-def option(default, *, choices: tuple | None = None, at_least: float | None = None, above: float | None = None):
-    """A dataclass field: its default and its valid values (one of `choices`, or a number >= at_least / > above)."""
-    return dataclasses.field(default=default, metadata={"choices": choices, "at_least": at_least, "above": above})
+def option(default, *, choices: tuple | None = None, at_least: float | None = None, above: float | None = None,
+           at_most: float | None = None):
+    """A dataclass field: its default and its valid values (one of `choices`, or a number >= at_least / > above /
+    <= at_most); for a list option (annotated list[...]), of each element."""
+    metadata = {"choices": choices, "at_least": at_least, "above": above, "at_most": at_most}
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 def bad_option(block: str, name: str, value, valid: str) -> ValueError:
@@ -34,12 +39,18 @@ def parse_options(block: str, options_class, given: dict | None):
 
 
 def _check(block: str, f: dataclasses.Field, annotation, value) -> None:
+    if typing.get_origin(annotation) is list:  # list[int]: a list, each element checked as an option of that type
+        if not isinstance(value, (list, tuple)) or not value:
+            raise bad_option(block, f.name, value, "a non-empty list")
+        for element in value:
+            _check(block, f, typing.get_args(annotation)[0], element)
+        return
     allowed = typing.get_args(annotation) or (annotation,)  # int | None -> (int, NoneType)
     nullable = type(None) in allowed
     if value is None and nullable:
         return
     kind = next(t for t in allowed if t is not type(None))
-    choices, at_least, above = f.metadata.get("choices"), f.metadata.get("at_least"), f.metadata.get("above")
+    choices, at_least, above, at_most = (f.metadata.get(k) for k in ("choices", "at_least", "above", "at_most"))
     if choices is not None:
         if value not in choices:
             raise ValueError(f"unknown {block} {f.name} {value!r}; valid: {', '.join(map(str, choices))}")
@@ -47,8 +58,10 @@ def _check(block: str, f: dataclasses.Field, annotation, value) -> None:
     # bool is an int to Python, not to a config; an int is a valid float
     ok = isinstance(value, bool) if kind is bool else (
         isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool))
-    ok = ok and (at_least is None or value >= at_least) and (above is None or value > above)
+    ok = ok and (at_least is None or value >= at_least) and (above is None or value > above) and (
+        at_most is None or value <= at_most)
     if not ok:
-        valid = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
-        valid += f" >= {at_least}" if at_least is not None else f" > {above}" if above is not None else ""
+        bounds = [f"{sign} {bound}" for sign, bound in ((">=", at_least), (">", above), ("<=", at_most)) if bound is not None]
+        valid = " ".join([{bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind],
+                          " and ".join(bounds)]).strip()
         raise bad_option(block, f.name, value, valid + (" or null" if nullable else ""))

@@ -1,5 +1,5 @@
 """Worker for tests/test_moe_routers_ddp.py: tiny MoE LMs, one per router (each with 2 expert groups
-and every balance loss it takes on), trained 3 steps through train.py's own train_step on Accelerate, in
+and every balance loss it takes on), trained 3 steps through the loop's own train_step (training/loop.py) on Accelerate, in
 memory (a fixed random corpus, no Hydra, no tokenizer), so one launch covers every router.
 
     python -m tests.moe_routers_ddp_worker OUT GRAD_ACCUM                    # 1 process
@@ -46,7 +46,8 @@ def train_router(accelerator, router: str, grad_accum: int) -> dict:
     from accelerate.utils import set_seed
 
     from model import DecoderLM, LMConfig
-    from train import train_step
+    from training.loop import train_step
+    from training.objectives import OBJECTIVES
     from training.run import Run
 
     set_seed(0)
@@ -56,9 +57,10 @@ def train_router(accelerator, router: str, grad_accum: int) -> dict:
     optimizer = torch.optim.AdamW(lm.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     model, optimizer = accelerator.prepare(lm, optimizer)
-    cfg = OmegaConf.create({"seed": 0, "trainer": {"batch_size": BATCH, "grad_accum": grad_accum, "grad_clip": 1.0}})
+    cfg = OmegaConf.create({"seed": 0, "init_from": None,
+                            "trainer": {"batch_size": BATCH, "grad_accum": grad_accum, "grad_clip": 1.0, "trainable": None}})
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=Path("."), data=type("Data", (), {"train": Corpus()})(),
-              lm=lm, model=model, optimizer=optimizer, optimizers=[optimizer.optimizer], scheduler=scheduler,
+              lm=lm, model=model, objective=OBJECTIVES.get("lm")(cfg, lm, accelerator), optimizer=optimizer, optimizers=[optimizer.optimizer], scheduler=scheduler,
               micro=BATCH // (accelerator.num_processes * grad_accum), flops_per_token=0.0, peak=None, step=0,
               t_origin=time.time(), last_ckpt=None)
     steps = []

@@ -16,7 +16,7 @@ VOCAB = 97
 @pytest.fixture(scope="module")
 def model() -> DecoderLM:
     torch.manual_seed(0)
-    return DecoderLM(LMConfig(vocab_size=VOCAB, attention=MIXERS, hidden_size=32, num_hidden_layers=6,
+    return DecoderLM(LMConfig(vocab_size=VOCAB, mixer=MIXERS, hidden_size=32, num_hidden_layers=6,
                               num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
                               max_position_embeddings=64, mixer_options={"dsa": {"topk": 4}})).eval()
 

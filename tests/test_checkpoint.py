@@ -29,7 +29,7 @@ def test_load_matching_weights_reports_and_copies(tmp_path):
         for p in source.parameters():
             p.add_(torch.randn_like(p))
     source.save_pretrained(tmp_path / "run" / "final")
-    target = tiny(seed=2, intermediate_size=96, attention=["dsa", "softmax"], mixer_options={"dsa": {"topk": 4}})
+    target = tiny(seed=2, intermediate_size=96, mixer=["dsa", "softmax"], mixer_options={"dsa": {"topk": 4}})
     before = {k: v.clone() for k, v in target.state_dict().items()}
 
     report = load_matching_weights(target, tmp_path / "run")

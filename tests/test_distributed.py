@@ -21,8 +21,8 @@ pytestmark = pytest.mark.slow
 
 DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
        str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
-MOE_DSA = ["attention=dsa", "model.attention=[dsa,softmax]", "ffn=moe", "ffn.options.aux_free_bias=true", "attention.options.topk=16"]
-DSA_WARMUP = ["attention=dsa", "attention.options.stage=warmup", "attention.options.topk=16", "trainer.trainable=[indexer]"]
+MOE_DSA = ["mixer=dsa", "model.mixer=[dsa,softmax]", "ffn=moe", "ffn.options.aux_free_bias=true", "mixer.options.topk=16"]
+DSA_WARMUP = ["mixer=dsa", "mixer.options.stage=warmup", "mixer.options.topk=16", "trainer.trainable=[indexer]"]
 VAL_TOKENS = 2 * 4 * 63  # conftest.TINY: eval_batches x batch_size sequences of seq_len 64, 63 targets each
 
 

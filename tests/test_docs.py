@@ -64,9 +64,11 @@ def hydra_configs():
     """Hydra's configs/ initialised once for the module (composing is then cheap)."""
     from hydra import initialize_config_dir
 
+    from evaluation.run import register_hydra as register_eval
     from training.config import register_hydra
 
     register_hydra()
+    register_eval()
     with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
         yield
 
@@ -78,12 +80,12 @@ def check_train(args: list[str]) -> None:
     from omegaconf import OmegaConf, open_dict
 
     from scripts.sweep import expand_grid, split_values
-    from training.config import check_group_overrides, resolve_aliases
+    from training.config import check_group_overrides
     from training.validation import check_train_config
 
     multirun = bool({"-m", "--multirun"} & set(args))
     args = [a for a in args if a not in ("-m", "--multirun", "--cfg", "job", "X")]
-    overrides = resolve_aliases([a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/"))])
+    overrides = [a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
     check_group_overrides(overrides)
     first = [f"{k}={split_values(v)[0]}" for k, _, v in (o.partition("=") for o in overrides)]
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}

@@ -1,4 +1,4 @@
-"""eval.py's suites (training/suites.py): the passkey sits where it is said to at every depth, the length
+"""eval.py's suites (evaluation/suites/): the passkey sits where it is said to at every depth, the length
 suite scores every position past the training length, the decode cache holds what each mixer's state
 analytically is, and `python eval.py ... suite=[length,recall,decode]` writes them all."""
 import json
@@ -14,8 +14,9 @@ from conftest import ROOT
 from data.types import Split
 from model.config import LMConfig
 from model.lm import DecoderLM
-from training.suites import (bands, decode_suite, length_suite, mqar_suite, passkey_example, recall_scores,
-                             recall_suite, score_answer)
+from evaluation.suites.decode import decode_costs
+from evaluation.suites.length import bands, log_binned, loss_by_length
+from evaluation.suites.recall import Recall, mqar_recall, passkey_example, passkey_recall, score_answer
 from training.validation import check_eval_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,20 +84,20 @@ def test_a_greedy_answer_scores_as_generate_decodes():
 def test_recall_suite_grid(tokenizer):
     lm = tiny_lm("softmax", max_positions=128, vocab=len(tokenizer))
     val = Split(torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(0)))
-    report = recall_suite(lm, tokenizer, val, [64, 128, 256], [0.0, 1.0], 2, 0, "cpu")
+    report = passkey_recall(lm, tokenizer, val, [64, 128, 256], [0.0, 1.0], 2, 0, "cpu")
     assert report["contexts"] == [64, 128] and "exceed max_position_embeddings=128" in report["skipped"]["256"]
     assert len(report["acc"]) == 2 and all(len(row) == 2 for row in report["answer_logprob"])
-    scores = recall_scores(report)
+    scores = Recall().scores(report)
     assert set(scores) == {"recall/acc", "recall/acc@64", "recall/acc@128", "recall/answer_logprob"}
     assert scores["recall/answer_logprob"] < 0
 
 
 def test_mqar_grid():
-    report = mqar_suite(tiny_lm("gdn", max_positions=16), OmegaConf.create({"vocab_size": 64, "power_a": 0.01}),
+    report = mqar_recall(tiny_lm("gdn", max_positions=16), OmegaConf.create({"vocab_size": 64, "power_a": 0.01}),
                         [16, 32], [2, 8], 4, 0, "cpu")["mqar"]
     assert report["acc"][0][1] is None and "T16_kv8" in report["skipped"]  # 16 < 4 x 8
     assert all(0 <= a <= 1 for a in (report["acc"][0][0], *report["acc"][1]))  # gdn: no position bound at 32
-    assert "recall/mqar_acc@T32_kv8" in recall_scores({"mqar": report})
+    assert "recall/mqar_acc@T32_kv8" in Recall().scores({"mqar": report})
 
 
 # ---- length --------------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def test_length_scores_every_position_past_the_training_length():
     T = 8
     lm = tiny_lm("softmax", max_positions=8 * T)
     val = {k * T: Split(torch.randint(64, (3, k * T), generator=torch.Generator().manual_seed(k))) for k in (1, 2, 4, 8)}
-    report = length_suite(lm, val.get, T, [1, 2, 4, 8, 16], 3, 2 * 8 * T, "cpu")
+    report = loss_by_length(lm, val.get, T, [1, 2, 4, 8, 16], 3, 2 * 8 * T, "cpu")
     assert report["seq_lens"] == [T, 2 * T, 4 * T, 8 * T]
     assert report["positions_scored"] == {str(k * T): k * T - 1 for k in (1, 2, 4, 8)}
     assert "exceed max_position_embeddings=64" in report["skipped"]["16x"]
@@ -118,7 +119,7 @@ def test_length_scores_every_position_past_the_training_length():
 
 def test_length_without_positions_goes_past_the_bound():
     T = 8
-    report = length_suite(tiny_lm("gdn", max_positions=T), lambda L: Split(torch.randint(64, (2, L))), T, [1, 4], 2,
+    report = loss_by_length(tiny_lm("gdn", max_positions=T), lambda L: Split(torch.randint(64, (2, L))), T, [1, 4], 2,
                           64, "cpu")
     assert report["seq_lens"] == [T, 4 * T] and report["positions_scored"][str(4 * T)] == 4 * T - 1
 
@@ -133,7 +134,7 @@ def test_length_takes_single_document_blocks():
             return {**out, "position_ids": positions}
 
     ids = torch.randint(64, (6, 16))
-    report = length_suite(tiny_lm("softmax"), lambda L: Masked(ids), 16, [1], 8, 64, "cpu")
+    report = loss_by_length(tiny_lm("softmax"), lambda L: Masked(ids), 16, [1], 8, 64, "cpu")
     assert report["sequences"] == {"16": 3}
     assert bands([1.0] * 4 + [3.0] * 4, 4, [1, 2]) == {"1x": 1.0, "2x": 3.0}
 
@@ -141,7 +142,7 @@ def test_length_takes_single_document_blocks():
 # ---- decode --------------------------------------------------------------------------------------
 def test_softmax_cache_is_its_kv():
     """2 (K, V) x layers x kv heads x head_dim x T x 4 bytes (fp32), GQA: kv heads, not query heads."""
-    report = decode_suite(tiny_lm("softmax"), [16, 32], 2, 0, "cpu")
+    report = decode_costs(tiny_lm("softmax"), [16, 32], 2, 0, "cpu")
     for row in report["rows"]:
         assert row["cache_bytes"] == 2 * 2 * 2 * 8 * row["context"] * 4
         assert row["cache_bytes_per_layer"] == [row["cache_bytes"] // 2] * 2
@@ -150,13 +151,13 @@ def test_softmax_cache_is_its_kv():
 
 def test_dsa_cache_is_kv_and_indexer_keys():
     """Per layer and token: K and V (kv heads x head_dim each) and one indexer key (index_head_dim)."""
-    for row in decode_suite(tiny_lm("dsa"), [16, 32], 2, 0, "cpu")["rows"]:
+    for row in decode_costs(tiny_lm("dsa"), [16, 32], 2, 0, "cpu")["rows"]:
         assert row["cache_bytes"] == 2 * (2 * 2 * 8 + DSA["index_head_dim"]) * row["context"] * 4
 
 
 @pytest.mark.parametrize("mixer", ["gdn", "derived_gdn", "mamba2", "linear"])
 def test_recurrent_cache_is_fixed(mixer):
-    rows = decode_suite(tiny_lm(mixer), [16, 48], 2, 0, "cpu")["rows"]
+    rows = decode_costs(tiny_lm(mixer), [16, 48], 2, 0, "cpu")["rows"]
     assert rows[0]["cache_bytes"] == rows[1]["cache_bytes"] > 0
 
 
@@ -165,7 +166,7 @@ def test_decode_measures_past_the_position_bound():
     model is measured there, and the bound is restored after."""
     for mixer in ("softmax", "gdn"):
         lm = tiny_lm(mixer)
-        rows = decode_suite(lm, [60, 128], 4, 0, "cpu")["rows"]
+        rows = decode_costs(lm, [60, 128], 4, 0, "cpu")["rows"]
         assert all("cache_bytes" in row for row in rows) and lm.config.max_position_embeddings == 64
 
 
@@ -173,7 +174,7 @@ def test_decode_measures_past_the_position_bound():
 def test_a_bad_suite_is_one_line():
     cfg = OmegaConf.load(ROOT / "configs" / "eval.yaml")
     cfg.suite = ["nope"]
-    with pytest.raises(ValueError, match=r"^suite\[0\]='nope'; valid: one of length, recall, decode$"):
+    with pytest.raises(ValueError, match=r"^suite=\['nope'\]: unknown suite 'nope'; valid: decode, length, recall$"):
         check_eval_config(cfg)
 
 
@@ -181,8 +182,8 @@ def test_a_bad_suite_is_one_line():
 def test_eval_py_runs_the_suites(tiny_run, data_cache, tmp_path):
     run, _ = tiny_run  # T = 64, softmax, max_position_embeddings 4096
     cmd = [sys.executable, str(ROOT / "eval.py"), f"checkpoint={run}", f"out_dir={tmp_path}", "suite=[length,recall,decode]",
-           "length_factors=[1,2,4]", "length_batches=2", "recall_contexts=[128,256]", "recall_depths=[0,0.5,1]",
-           "recall_trials=2", "decode_contexts=[64,128]", "decode_tokens=8", "batches=1", "sample_tokens=0", "wandb=false"]
+           "length.factors=[1,2,4]", "length.sequences=2", "recall.contexts=[128,256]", "recall.depths=[0,0.5,1]",
+           "recall.trials=2", "decode.contexts=[64,128]", "decode.tokens=8", "batches=1", "sample_tokens=0", "wandb=false"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -205,8 +206,6 @@ def test_eval_py_runs_the_suites(tiny_run, data_cache, tmp_path):
 
 def test_log_binned_averages_within_bins():
     """loss = position: each bin's mean loss is its mean position; a step in the loss stays a step."""
-    from training.suites import log_binned
-
     x, y = log_binned([float(p) for p in range(1, 2048)], bins=20)
     assert x == y and x[0] == 1.0 and x == sorted(x) and len(x) <= 20
     x, y = log_binned([1.0] * 127 + [3.0] * 1920, bins=11)  # edges 1, 2, 4, ..., 2048: the step at 128 is an edge

@@ -24,11 +24,11 @@ MAMBA2 = {"head_dim": 16, "state_size": 16, "chunk_size": 16}
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def build(attention: str, ffn: str = "dense", d: int = D, layers: int = LAYERS, seed: int = 0, vocab: int = 64,
+def build(mixer: str, ffn: str = "dense", d: int = D, layers: int = LAYERS, seed: int = 0, vocab: int = 64,
           **config) -> DecoderLM:
     torch.manual_seed(seed)
     return DecoderLM(LMConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=layers, num_attention_heads=4,
-                              max_position_embeddings=64, attention=attention, ffn=ffn,
+                              max_position_embeddings=64, mixer=mixer, ffn=ffn,
                               mixer_options={"mamba2": MAMBA2}, **config))
 
 
@@ -47,13 +47,13 @@ def assert_uniform(w: torch.Tensor, bound: float) -> None:
     assert w.std().item() == pytest.approx(bound / math.sqrt(3), rel=0.08)
 
 
-@pytest.mark.parametrize("attention", ("softmax", "linear", "derived_gdn", "dsa"))
-def test_attention_mixers_init_as_llama(attention):
-    mixer = build(attention).layers[1].mixer
+@pytest.mark.parametrize("name", ("softmax", "linear", "derived_gdn", "dsa"))
+def test_attention_mixers_init_as_llama(name):
+    mixer = build(name).layers[1].mixer
     for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj):
         assert_normal(proj.weight, STD)
     assert_normal(mixer.o_proj.weight, STD * RESIDUAL)
-    if attention == "dsa":  # DeepSeek-V3.2's indexer: N(0, std) projections, LayerNorm to identity
+    if name == "dsa":  # DeepSeek-V3.2's indexer: N(0, std) projections, LayerNorm to identity
         ix = mixer.indexer
         for proj in (ix.q_proj, ix.k_proj, ix.w_proj):
             assert_normal(proj.weight, STD)
@@ -146,11 +146,11 @@ def test_per_mixer_parametrization_is_the_mixers_declared_one(mixer, declared):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("attention", MIXERS)
+@pytest.mark.parametrize("mixer", MIXERS)
 @pytest.mark.parametrize("ffn", ("dense", "moe"))
-def test_init_reaches_every_parameter(attention, ffn):
+def test_init_reaches_every_parameter(mixer, ffn):
     """Every parameter is written by some init (from_pretrained leaves missing ones uninitialised)."""
-    model = build(attention, ffn, d=64, layers=2, tie_word_embeddings=False,
+    model = build(mixer, ffn, d=64, layers=2, tie_word_embeddings=False,
                   ffn_options={"moe": {"num_shared_experts": 1, "aux_free_bias": True}})
     with torch.no_grad():
         for p in model.parameters():
@@ -166,7 +166,7 @@ def test_from_pretrained_keeps_loaded_weights(tmp_path):
     indexer gets its declared init."""
     softmax = build("softmax", d=64, layers=2)
     softmax.save_pretrained(tmp_path)
-    dsa, info = DecoderLM.from_pretrained(tmp_path, attention="dsa", output_loading_info=True)
+    dsa, info = DecoderLM.from_pretrained(tmp_path, mixer="dsa", output_loading_info=True)
     assert info["missing_keys"] and all(".indexer." in key for key in info["missing_keys"])
     loaded = dict(softmax.named_parameters())
     for name, p in dsa.named_parameters():
@@ -242,13 +242,13 @@ def test_recurrent_mixers_leave_chance_on_tiny_mqar():
     ids, labels = (torch.from_numpy(a) for a in mqar_slice(2304, S, n, V, 0.01, np.random.Generator(np.random.PCG64(0))))
     test_ids, test_labels = ids[-256:], labels[-256:]
     results = {}
-    for attention in ("mamba2", "gdn", "derived_gdn"):
+    for mixer in ("mamba2", "gdn", "derived_gdn"):
         torch.manual_seed(0)
         model = DecoderLM(LMConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                                   max_position_embeddings=S, attention=attention,
+                                   max_position_embeddings=S, mixer=mixer,
                                    mixer_options={"mamba2": {"head_dim": 16, "state_size": 16, "chunk_size": 16},
                                                   "gdn": {"chunk_size": 16}}))
-        lr = OmegaConf.load(CONFIG_DIR / "mixer" / f"{attention}.yaml").lr.adamw
+        lr = OmegaConf.load(CONFIG_DIR / "mixer" / f"{mixer}.yaml").lr.adamw
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(adamw.betas), weight_decay=adamw.weight_decay)
         order = torch.randperm(2048, generator=torch.Generator().manual_seed(1))
         for step in range(150):
@@ -262,6 +262,6 @@ def test_recurrent_mixers_leave_chance_on_tiny_mqar():
             target = test_labels[:, 1:]
             mask = target != -100
             acc = (out.logits[:, :-1].argmax(-1)[mask] == target[mask]).float().mean().item()
-        results[attention] = (round(out.loss.item(), 3), round(acc, 3))
+        results[mixer] = (round(out.loss.item(), 3), round(acc, 3))
     chance = math.log(V // 2)
     assert all(loss < chance - 0.3 and acc > 2 / (V // 2) for loss, acc in results.values()), (chance, results)

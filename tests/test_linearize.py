@@ -1,4 +1,4 @@
-"""training/linearize.py: the student takes every teacher tensor (GQA key/value heads repeated where the
+"""training/objectives/linearize.py: the student takes every teacher tensor (GQA key/value heads repeated where the
 student has one per query head), a softmax student of a softmax teacher has transfer loss and KL exactly 0
 (and a linearized one does not), the transfer stage gives gradients to exactly the parameters it names,
 the distillation KL against a hand computation; through train.py: the stages under 2-process DDP equal 1
@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 from conftest import ROOT, TINY, run_train
 from model import DecoderLM, LMConfig
 from training.checkpoint import load_matching_weights
-from training.linearize import Linearization, distill_kl, load_teacher, teacher_state_for
+from training.objectives.linearize import Linearization, distill_kl, load_teacher, teacher_state_for
 from training.metrics import read_metrics
 
 SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -174,7 +174,7 @@ def test_distill_kl_against_a_hand_computation():
 
 
 # through train.py ---------------------------------------------------------------------------------
-STAGES = ["mixer=derived_gdn", "linearize.transfer_steps=2", "linearize.distill_steps=2", "trainer.max_steps=6",
+STAGES = ["objective=linearize", "mixer=derived_gdn", "linearize.transfer_steps=2", "linearize.distill_steps=2", "trainer.max_steps=6",
           "trainer.eval_every=100"]
 
 
@@ -226,7 +226,7 @@ def test_a_stage_boundary_survives_sigterm_and_resume(tmp_path, tiny_run, data_c
     teacher_dir, _ = tiny_run
     run, reference = tmp_path / "sig", tmp_path / "reference"
     constant = ["trainer.schedule=constant", "trainer.warmup_steps=0", "mixer=derived_gdn", f"init_from={teacher_dir}",
-                "linearize.transfer_steps=8", "linearize.distill_steps=4"]
+                "objective=linearize", "linearize.transfer_steps=8", "linearize.distill_steps=4"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWAPLM_CACHE": str(data_cache), "WANDB_MODE": "offline"}
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "logger=wandb", *constant, f"run_dir={run}",
            "trainer.max_steps=100000", "trainer.ckpt_every=100000", "trainer.eval_every=100000"]
@@ -262,7 +262,7 @@ def test_a_teacher_that_is_not_softmax_is_one_line(tmp_path, tiny_run, data_cach
     teacher_dir = tmp_path / "gdn_teacher"
     DecoderLM(LMConfig.from_pretrained(tiny_run[0] / "final", mixer="gdn")).save_pretrained(teacher_dir)
     run = tmp_path / "run"
-    proc = run_train(run, "mixer=derived_gdn", f"init_from={teacher_dir}", "linearize.transfer_steps=2", check=False,
+    proc = run_train(run, "objective=linearize", "mixer=derived_gdn", f"init_from={teacher_dir}", "linearize.transfer_steps=2", check=False,
                      cache=data_cache)
     assert proc.returncode == 1 and proc.stderr.strip() == (
         f"error: init_from={teacher_dir}: the teacher's layers are ['gdn', 'gdn']; valid: a softmax model (every layer "

@@ -104,7 +104,7 @@ def test_harness_log_likelihood_of_every_choice_is_ours(checkpoint):
     from lm_eval.api.instance import Instance
 
     from training.checkpoint import load_lm
-    from training.evaluation import harness_model
+    from evaluation.harness import harness_model
 
     wrapped = harness_model(load_lm(checkpoint, dtype=torch.float32).eval(), checkpoint, "cpu", batch_size=4)
     requests = [Instance(request_type="loglikelihood", doc=d, arguments=(d["question"], c), idx=i)
@@ -131,7 +131,7 @@ def test_eval_py_reports_the_harness_accuracy(checkpoint, task_dir, tmp_path, ca
 
 
 def test_tokenizerless_checkpoint_fails_clearly(checkpoint, tmp_path):
-    from training.evaluation import harness_model
+    from evaluation.harness import harness_model
 
     bare = tmp_path / "bare"
     bare.mkdir()

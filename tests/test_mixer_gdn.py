@@ -16,11 +16,11 @@ SCHEDULES = {"gdn": "gdn", "derived_gdn": "derived_gdn", "hybrid": ["gdn", "soft
 OPTIONS = {"gdn": {"chunk_size": 8}}
 
 
-def tiny_model(attention, seed=0, num_key_value_heads=None, **options) -> DecoderLM:
+def tiny_model(mixer, seed=0, num_key_value_heads=None, **options) -> DecoderLM:
     torch.manual_seed(seed)
     config = LMConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
                       num_key_value_heads=num_key_value_heads, max_position_embeddings=128,
-                      attention=attention, mixer_options={**OPTIONS, **options})
+                      mixer=mixer, mixer_options={**OPTIONS, **options})
     return DecoderLM(config).eval()
 
 
@@ -53,12 +53,12 @@ def test_decoding_matches_full_forward(schedule, prefill):
         torch.testing.assert_close(decode_steps(model, ids, prefill), model(ids).logits, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("attention, kv_heads, options", [
+@pytest.mark.parametrize("mixer, kv_heads, options", [
     ("gdn", None, {"gdn": {"num_v_heads": 4, "expand_v": 1, "chunk_size": 4}}),
     ("derived_gdn", 1, {"derived_gdn": {"clamp_ktil": False}}),
 ])
-def test_grouped_heads_decode(attention, kv_heads, options):
-    model = tiny_model(attention, num_key_value_heads=kv_heads, **options)
+def test_grouped_heads_decode(mixer, kv_heads, options):
+    model = tiny_model(mixer, num_key_value_heads=kv_heads, **options)
     randomise(model)
     ids = torch.randint(0, 64, (2, 13), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
@@ -114,8 +114,8 @@ def test_gdn_init_options_and_param_names():
 
 
 def test_flops_are_linear_in_length():
-    for attention in ("gdn", "derived_gdn"):
-        mixer = tiny_model(attention).layers[0].mixer
+    for name in ("gdn", "derived_gdn"):
+        mixer = tiny_model(name).layers[0].mixer
         assert mixer.flops_per_token(1024) == mixer.flops_per_token(8192) > 0
 
 
@@ -124,7 +124,7 @@ def test_softmax_checkpoint_loads_into_derived_gdn(tmp_path):
     soft = DecoderLM(LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2)).eval()
     soft.save_pretrained(tmp_path)
-    derived, info = DecoderLM.from_pretrained(tmp_path, attention="derived_gdn", output_loading_info=True)
+    derived, info = DecoderLM.from_pretrained(tmp_path, mixer="derived_gdn", output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
     soft_sd, derived_sd = soft.state_dict(), derived.state_dict()
     assert soft_sd.keys() == derived_sd.keys() and all(torch.equal(soft_sd[k], derived_sd[k]) for k in soft_sd)

@@ -8,7 +8,7 @@ from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import PreTrainedTokenizerFast
 
 from model import DecoderLM, LMConfig
-from training.evaluation import sample
+from evaluation.samples import sample
 
 WORDS = ["<eos>"] + [f"w{i}" for i in range(63)]
 

@@ -140,7 +140,6 @@ def test_non_finite_loss_stops_with_message(tmp_path, data_cache):
 
 
 @pytest.mark.parametrize("arg,needle,valid", [
-    ("attention=nope", "unknown attention 'nope'; valid: ", "softmax"),
     ("mixer=nope", "unknown mixer 'nope'; valid: ", "softmax"),
     ("ffn=dense,nope", "unknown ffn 'nope'; valid: ", "dense"),
     ("data=nope", "unknown data 'nope'; valid: ", "stdlib"),

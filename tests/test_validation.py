@@ -3,6 +3,7 @@ is valid, before anything is written (training/validation.py); a resumed run tak
 with only what may change on resume (training/config.py config_for_resume)."""
 import copy
 import functools
+import re
 import subprocess
 import sys
 
@@ -10,8 +11,9 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import ROOT
-from scripts.sweep import compose
+from evaluation.suites import SUITES
 from training.config import config_for_resume, group_choices
+from training.jobs import compose
 from training.validation import EVAL_RULES, TRAIN_RULES, check_eval_config, check_train_config, leaves, rule_for
 
 
@@ -36,18 +38,46 @@ def every_train_config():
 
 def test_every_number_and_flag_has_a_rule():
     """A new option cannot go unchecked: every int, float or bool in any composed config (and in eval's)
-    is covered by a rule (block options are their dataclasses' business)."""
+    is covered by a rule (block and suite options are their dataclasses' business)."""
     unchecked = set()
     for cfg in every_train_config():
         for key, value in leaves(OmegaConf.to_container(cfg, resolve=True)).items():
             if isinstance(value, (bool, int, float)) and not key.startswith(("mixer.", "ffn.")):
                 if rule_for(key, TRAIN_RULES) is None:
                     unchecked.add(key)
-    eval_cfg = OmegaConf.load(ROOT / "configs" / "eval.yaml")
-    for key, value in leaves(OmegaConf.to_container(eval_cfg)).items():
-        if isinstance(value, (bool, int, float)) and rule_for(key, EVAL_RULES) is None:
+    for key, value in leaves(OmegaConf.to_container(composed_eval(["checkpoint=x"]))).items():
+        if isinstance(value, (bool, int, float)) and rule_for(key, EVAL_RULES) is None and key.split(".")[0] not in SUITES.names():
             unchecked.add(f"eval: {key}")
     assert not unchecked, sorted(unchecked)
+
+
+def composed_eval(overrides: list[str]):
+    """eval.py's config of these overrides, as Hydra composes it (each suite's node from its Options)."""
+    from hydra import compose, initialize_config_dir
+
+    from evaluation.run import register_hydra
+
+    register_hydra()
+    with initialize_config_dir(config_dir=str(ROOT / "configs"), version_base="1.3"):
+        return compose("eval", overrides)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("length.factors=[1,3]", "unknown length suite factors 3; valid: 1, 2, 4, 8, 16, 32"),
+    ("recall.depths=[0.5,1.5]", "recall suite depths=1.5; valid: a number >= 0 and <= 1"),
+    ("decode.tokens=0", "decode suite tokens=0; valid: an integer >= 1"),
+])
+def test_bad_suite_option_is_one_line(override, message):
+    """A suite's options are checked by its Options dataclass, whether or not suite= names it."""
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        check_eval_config(composed_eval(["checkpoint=x", override]))
+
+
+def test_a_misspelt_suite_option_is_refused_by_its_schema():
+    from hydra.errors import ConfigCompositionException
+
+    with pytest.raises(ConfigCompositionException, match="length.factor"):
+        composed_eval(["checkpoint=x", "length.factor=[1]"])
 
 
 def bad_values(rule):

@@ -1,5 +1,4 @@
-"""Hydra glue: one-line errors for unknown group choices, the `attention` alias of the mixer group,
-the rank-zero run-dir resolver, the blocks' option schemas, cfg -> LMConfig, and the config of a
+"""Hydra glue: one-line errors for unknown group choices, the rank-zero run-dir resolver, the blocks' option schemas, cfg -> LMConfig, and the config of a
 resumed run (its saved one, with what may change on resume)."""
 import os
 import sys
@@ -10,8 +9,6 @@ from omegaconf import OmegaConf
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 GROUPS = ("model", "mixer", "ffn", "optimizer", "data", "logger", "experiment")
-# Old spellings still taken on the command line: attention=gdn, attention.options.topk=16, model.attention=[...].
-ALIASES = {"attention": "mixer", "model.attention": "model.mixer"}
 
 
 def group_choices(group: str) -> list[str]:
@@ -19,41 +16,14 @@ def group_choices(group: str) -> list[str]:
 
 
 def check_group_overrides(argv: list[str]) -> None:
-    """Fail at once, in one line, on `mixer=nope` (Hydra's own message spans many lines); the message
-    names the key as given (`attention=nope`: unknown attention 'nope')."""
+    """Fail at once, in one line, on `mixer=nope` (Hydra's own message spans many lines)."""
     for arg in argv:
-        key, sep, value = arg.lstrip("+~").partition("=")
-        group = ALIASES.get(key, key)
+        group, sep, value = arg.lstrip("+~").partition("=")
         if not sep or group not in GROUPS or value in ("null", ""):
             continue
         for choice in value.split(","):  # sweeps: mixer=softmax,gdn
             if choice not in group_choices(group):
-                sys.exit(f"error: unknown {key} {choice!r}; valid: {', '.join(group_choices(group))}")
-
-
-def resolve_aliases(overrides: list[str]) -> list[str]:
-    """Each override with an old key spelling (ALIASES) in its new one: attention.options.topk=16 ->
-    mixer.options.topk=16; the rest as given."""
-    resolved = []
-    for arg in overrides:
-        key = arg.lstrip("+~").partition("=")[0]
-        prefix = arg[: len(arg) - len(arg.lstrip("+~"))]
-        for old, new in ALIASES.items():
-            if key == old or key.startswith(old + "."):
-                arg = prefix + new + arg[len(prefix) + len(old):]
-                break
-        resolved.append(arg)
-    return resolved
-
-
-def with_current_names(config: dict) -> dict:
-    """A saved train.py config (a run's config.yaml, a W&B run's config) under today's key names: runs
-    saved before the rename say attention, model.attention and arch.attention for mixer."""
-    def renamed(d: dict) -> dict:
-        return {("mixer" if k == "attention" else k): v for k, v in d.items()}
-
-    config = renamed(config)
-    return {k: renamed(v) if k in ("model", "arch") and isinstance(v, dict) else v for k, v in config.items()}
+                sys.exit(f"error: unknown {group} {choice!r}; valid: {', '.join(group_choices(group))}")
 
 
 def rank_zero_dir(path: str | None, fallback: str | None = None) -> str:
@@ -129,7 +99,7 @@ def config_for_resume(cfg, saved, overrides: list[str], saved_path: Path):
     from training.validation import leaves
 
     given = set()
-    for arg in resolve_aliases(overrides):
+    for arg in overrides:
         key = arg.lstrip("+~").partition("=")[0]
         if not key.startswith("hydra."):
             given.add(key)

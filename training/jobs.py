@@ -4,7 +4,7 @@ block options by building the model on the meta device, the steps a budget buys)
 stops the sweep in one line before its first job runs rather than each job failing in turn."""
 from omegaconf import open_dict
 
-from training.config import CONFIG_DIR, register_hydra, resolve_aliases
+from training.config import CONFIG_DIR, register_hydra
 
 
 def compose(overrides: list[str], hydra: bool = False):
@@ -14,7 +14,7 @@ def compose(overrides: list[str], hydra: bool = False):
 
     register_hydra()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose("train", [o for o in resolve_aliases(overrides) if not o.lstrip("+~").startswith("hydra.")],
+        return hydra_compose("train", [o for o in overrides if not o.lstrip("+~").startswith("hydra.")],
                              return_hydra_config=hydra)
 
 
@@ -56,7 +56,7 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
 
     first = [o for o in overrides if "," not in o.partition("=")[2]]  # enough to find the experiment's axes
     params = compose(first, hydra=True).hydra.sweeper.params or {}
-    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + resolve_aliases(overrides))
+    parsed = OverridesParser.create().parse_overrides([f"{k}={v}" for k, v in params.items()] + overrides)
     return BasicSweeper.split_arguments(parsed, None)[0]
 
 

@@ -1,7 +1,7 @@
 """A training run's setup: `setup(cfg) -> Run` builds data, model, optimizer and trackers from the
 Hydra config (configs/train.yaml) on Accelerate (one CPU/GPU process, or DDP/FSDP under
 `accelerate launch`), writes <run_dir>/config.yaml and run_info.json, and resumes if asked.
-train.py runs the loop on the Run."""
+training/loop.py runs the loop on the Run."""
 import json
 import time
 from dataclasses import dataclass
@@ -16,14 +16,16 @@ from training.config import lm_config
 @dataclass
 class Run:
     """What the loop needs: the config, Accelerate, data, the model (`lm` is the DecoderLM itself,
-    `model` what Accelerate prepared around it), the optimizer (as prepared; `optimizers` are the
-    torch optimizers inside it, whose state is checkpointed), and where the run stands."""
+    `model` what Accelerate prepared around the objective's module), the objective (training/objectives/),
+    the optimizer (as prepared; `optimizers` are the torch optimizers inside it, whose state is
+    checkpointed), and where the run stands."""
     cfg: DictConfig
     accelerator: object
     run_dir: Path
     data: object
     lm: object
     model: object
+    objective: object
     optimizer: object
     optimizers: list
     scheduler: object
@@ -34,7 +36,6 @@ class Run:
     t_origin: float        # time/elapsed counts from here (moved back on resume)
     last_ckpt: Path | None
     expert_mesh: object = None  # the (dp, ep) DeviceMesh with trainer.expert_parallel > 1 (training/parallel.py)
-    linearization: object = None  # training/linearize.py's Linearization (lm beside its teacher), when linearize.* stages run
 
     @property
     def tokens_per_step(self) -> int:
@@ -49,7 +50,7 @@ def setup(cfg: DictConfig) -> Run:
     from data import build_data
     from model import DecoderLM
     from training import checkpoint as ckpt
-    from training import linearize
+    from training.objectives import OBJECTIVES
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
     from training.parallel import apply_expert_parallel
     from training.budget import set_steps_from_budget
@@ -77,24 +78,7 @@ def setup(cfg: DictConfig) -> Run:
         data = build_data(cfg.data, tc.seq_len, cfg.seed)
     eos = data.tokenizer.eos_token_id if data.tokenizer is not None else None
     lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
-    lc = cfg.get("linearize")  # absent from the saved config of a run started before it existed
-    teacher = None
-    if lc is not None and linearize.uses_teacher(lc):
-        if state.distributed_type == DistributedType.FSDP:
-            raise ValueError("linearize.* stages with FSDP: not supported yet (the transfer stage calls each layer's "
-                             "mixer outside its FSDP unit; use DDP)")
-        teacher = linearize.load_teacher(cfg.init_from, lm.config)
-    if cfg.init_from:
-        source = cfg.init_from if teacher is None else linearize.teacher_state_for(lm, teacher)
-        report = ckpt.load_matching_weights(lm, source)
-        state.print(f"init_from {cfg.init_from}: loaded {len(report['loaded'])} tensors; "
-                    f"new: {report['new'] or 'none'}; unused: {report['unused'] or 'none'}; "
-                    f"shape mismatch: {report['shape_mismatch'] or 'none'}")
-    if tc.trainable:
-        for name, p in lm.named_parameters():
-            p.requires_grad_(any(s in name for s in tc.trainable))
-        if not any(p.requires_grad for p in lm.parameters()):
-            raise ValueError(f"trainer.trainable={list(tc.trainable)} matches no parameter name")
+    objective = OBJECTIVES.get(cfg.objective)(cfg, lm, state)  # what the run starts from, trains and minimises
     counts = lm.parameter_counts()  # of the whole model, before expert parallelism keeps a rank's share
     flops_per_token = 3 * lm.flops_per_token(tc.seq_len)  # training: forward + backward
     if budget_line := set_steps_from_budget(cfg, flops_per_token):
@@ -103,33 +87,28 @@ def setup(cfg: DictConfig) -> Run:
         raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
     expert_mesh = apply_expert_parallel(lm, tc.expert_parallel, world, "cuda" if use_cuda else "cpu")
 
-    linearization = None
-    if teacher is not None:
-        linearization = linearize.Linearization(lm, teacher.to(state.device), lc, report["new"])
-    # DDP searches the graph for parameters without gradients only where some can have none (the linearize
-    # stages train different sets).
-    find_unused = lm.leaves_parameters_unused() or bool(tc.trainable) or linearization is not None
+    # DDP searches the graph for parameters without gradients only where some can have none.
+    find_unused = lm.leaves_parameters_unused() or objective.leaves_parameters_unused
     accelerator = Accelerator(
         cpu=not use_cuda, mixed_precision="bf16" if (use_cuda and tc.bf16) else "no",
         log_with="wandb" if cfg.logger.name == "wandb" else None,
         kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
     optimizer = build_optimizer(lm, cfg.optimizer, tc.lr, accelerator.distributed_type)
     scheduler = build_scheduler(optimizer, tc)
-    model = lm if linearization is None else linearization  # what train_step calls
+    model = objective.module  # what the loop forwards
     model = torch.compile(model) if (use_cuda and tc.compile) else model
     model, optimizer = accelerator.prepare(model, optimizer)
     # The scheduler is not prepared: Accelerate would step it once per process.
 
-    run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model,
+    run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model, objective=objective,
               optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
               scheduler=scheduler, micro=micro,
               flops_per_token=flops_per_token,
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
-              step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh, linearization=linearization)
+              step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh)
     resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
     if resume_from is not None:
-        if linearization is not None:  # the saved optimizer state covers what its last step trained: load in that stage
-            linearization.set_stage(linearize.stage_at(ckpt.trainer_state(resume_from)["step"] - 1, lc))
+        objective.begin_step(ckpt.trainer_state(resume_from)["step"] - 1)  # its optimizer state is of that step's phase
         saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler, expert_mesh)
         run.step, run.last_ckpt = saved["step"], resume_from
         run.t_origin -= saved["elapsed"]  # time/elapsed continues from where the checkpoint left off
@@ -163,6 +142,6 @@ def setup(cfg: DictConfig) -> Run:
     accelerator.print(run.peak.describe())
     if budget_line:
         accelerator.print(budget_line)
-    if linearization is not None:
-        accelerator.print(linearization.describe(tc.max_steps))
+    if plan := objective.describe(tc.max_steps):
+        accelerator.print(plan)
     return run

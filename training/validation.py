@@ -4,8 +4,8 @@ written: a bad value is one line naming the key, the value and what is valid.
 TRAIN_RULES / EVAL_RULES map a dotted key (list elements as key[]) to its Rule; every number or flag in a composed train.py / eval.py config must
 have one (tests/test_validation.py enforces that, so a new option cannot go unchecked). Checks between
 keys (heads that do not split a width, a batch that does not split into micro-batches) follow the
-per-key ones. Block options (mixer.options.*, ffn.options.*) are checked by their own dataclasses
-(model/options.py)."""
+per-key ones. Block options (mixer.options.*, ffn.options.*) and eval suites' options (length.*, ...) are checked by their own
+dataclasses (model/options.py)."""
 import re
 from dataclasses import dataclass
 
@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 
 from model.config import PARAMETRIZATIONS, PER_MIXER
 from training.budget import given_budget
+from training.objectives import OBJECTIVES
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ FRACTION = Rule(float, above=0, below=1)  # strictly between 0 and 1
 
 TRAIN_RULES = {
     "seed": count(),
+    "objective": Rule(str, choices=tuple(OBJECTIVES.names())),
     "trainer.seq_len": Rule(int, at_least=2),  # position t predicts t + 1
     "trainer.batch_size": positive(),
     "trainer.grad_accum": positive(),
@@ -137,15 +139,6 @@ EVAL_RULES = {
     "num_fewshot": count(nullable=True),
     "lm_eval_batch_size": positive(),
     "wandb": FLAG,
-    "suite[]": Rule(str, choices=("length", "recall", "decode")),
-    "length_factors[]": Rule(int, choices=(1, 2, 4, 8, 16, 32)),  # band kx is ((k/2) T, k T]
-    "length_batches": positive(),
-    "recall_contexts[]": Rule(int, at_least=32),  # room for the needle, the query and the answer
-    "recall_depths[]": Rule(float, at_least=0, at_most=1),
-    "recall_trials": positive(),
-    "mqar_examples": positive(),
-    "decode_contexts[]": positive(),
-    "decode_tokens": positive(),
     **{f"data.{k.removeprefix('data.')}": v for k, v in TRAIN_RULES.items() if k.startswith("data.")},
 }
 
@@ -202,6 +195,9 @@ def check_train_config(cfg) -> None:
     if lc is not None and lc.transfer_steps + lc.distill_steps and not cfg.init_from:
         raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} with "
                          f"init_from=null; valid: init_from=<the softmax teacher: run dir or HF dir>")
+    if lc is not None and lc.transfer_steps + lc.distill_steps and cfg.objective != "linearize":
+        raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} with "
+                         f"objective={cfg.objective}; valid: objective=linearize (experiment=linearize sets it)")
     for group in ("mixer", "ffn"):
         given = m.get(group)
         if OmegaConf.is_list(given) and len(given) != m.num_hidden_layers:
@@ -224,4 +220,14 @@ def check_steps(cfg) -> None:
 
 
 def check_eval_config(cfg) -> None:
-    check_rules(leaves(OmegaConf.to_container(cfg, resolve=True)), EVAL_RULES)
+    """eval.py's options (EVAL_RULES), the suites it names, and each suite's options node (its Options dataclass)."""
+    from evaluation.suites import SUITES
+    from model.options import parse_options
+
+    values = OmegaConf.to_container(cfg, resolve=True)
+    check_rules(leaves({k: v for k, v in values.items() if k not in SUITES.names()}), EVAL_RULES)
+    for name in values.get("suite") or []:
+        if name not in SUITES.names():
+            raise ValueError(f"suite={list(values['suite'])}: unknown suite {name!r}; valid: {', '.join(SUITES.names())}")
+    for name in SUITES.names():
+        parse_options(f"{name} suite", SUITES.get(name).Options, values.get(name))

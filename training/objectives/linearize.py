@@ -1,6 +1,6 @@
-"""Linearizing a trained softmax model (experiment=linearize, docs/linearize.md): this run's model, the
-student, starts from a frozen softmax teacher (init_from) and learns from it in up to three stages that
-split the run's steps (configs/train.yaml linearize.*):
+"""`objective=linearize`: a trained softmax model linearized (experiment=linearize, docs/linearize.md). This
+run's model, the student, starts from a frozen softmax teacher (init_from) and learns from it in up to three
+stages that split the run's steps (configs/train.yaml linearize.*):
 
     transfer  steps [0, transfer_steps): every student mixer runs on the teacher's own mixer input and
               its output is fit to the teacher's attention output on it (LoLCATs' attention transfer,
@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from model.layers import AuxCollector, at_least_fp32
 from model.lm import LMOutput
+from training.objectives import OBJECTIVES, Objective
 
 STAGES = ("transfer", "distill", "finetune")
 TEACHER_MIXER = "softmax"
@@ -220,3 +221,48 @@ class Linearization(nn.Module):
         first = lc.transfer_steps + lc.distill_steps + 1
         parts.append(f"finetune steps {first}-{max_steps}" if first <= max_steps else "no finetune")
         return "linearize: " + "; ".join(parts)
+
+
+@OBJECTIVES.register("linearize")
+class Linearize(Objective):
+    """The student beside its teacher (Linearization), in the stage of each step; the student as it starts
+    (the teacher's weights, its own mixers) is evaluated before the first step. Without a transfer or distill
+    stage no teacher is loaded: the run fine-tunes init_from as objective=lm does."""
+
+    def __init__(self, cfg, lm: nn.Module, state):
+        from accelerate.utils import DistributedType
+
+        self.lc, self.teacher, self.linearization = cfg.linearize, None, None
+        if uses_teacher(self.lc):
+            if state.distributed_type == DistributedType.FSDP:
+                raise ValueError("objective=linearize with FSDP: not supported yet (the transfer stage calls each layer's "
+                                 "mixer outside its FSDP unit; use DDP)")
+            self.teacher = load_teacher(cfg.init_from, lm.config)
+        super().__init__(cfg, lm, state)
+        if self.teacher is not None:
+            self.linearization = Linearization(lm, self.teacher.to(state.device), self.lc, self.new_parameters)
+
+    def initial_weights(self):
+        return self.cfg.init_from if self.teacher is None else teacher_state_for(self.lm, self.teacher)
+
+    @property
+    def module(self) -> nn.Module:
+        return self.lm if self.linearization is None else self.linearization
+
+    @property
+    def evaluates_at_start(self) -> bool:
+        return self.linearization is not None
+
+    @property
+    def leaves_parameters_unused(self) -> bool:  # the stages train different sets
+        return self.linearization is not None or super().leaves_parameters_unused
+
+    def begin_step(self, step: int) -> None:
+        if self.linearization is not None:
+            self.linearization.set_stage(stage_at(step, self.lc))
+
+    def phase_ends(self, max_steps: int) -> dict[int, str]:
+        return stage_ends(self.lc, max_steps) if self.linearization is not None else {}
+
+    def describe(self, max_steps: int) -> str | None:
+        return self.linearization.describe(max_steps) if self.linearization is not None else None

@@ -1,0 +1,43 @@
+"""eval.py's suites, one file each, registered by name: `python eval.py checkpoint=... 'suite=[length,recall]'`.
+
+A suite is a class in its own file here, decorated `@SUITES.register("<name>")`, with:
+
+    Options                              a dataclass of its options (model/options.py `option`): eval.py's
+                                         <name>.* keys (`length.factors=[1,2,4]`), checked once
+    run(ctx: EvalContext, opts) -> dict  its block of eval.json
+    scores(block) -> {key: float}        its flat scores, named <name>/...: eval.json's scores, W&B, compare.py
+    plot(block, title, folder) -> [Path] its PNGs of one model, written into folder
+    compare(points, out, style)          (optional) its tables and figures across runs in compare.py's report:
+                                         -> (PNG paths, markdown lines, notes)
+
+eval.py, its config check and compare.py read this registry: a new suite is one file and nothing else."""
+import importlib
+import pkgutil
+
+from common.registry import Registry
+
+SUITES = Registry("suite")
+
+
+class Suite:
+    Options: type
+
+    def run(self, ctx, opts) -> dict:
+        raise NotImplementedError
+
+    def scores(self, block: dict) -> dict[str, float]:
+        return {}
+
+    def plot(self, block: dict, title: str, folder) -> list:
+        return []
+
+    compare = None  # (points, out, style) -> (paths, markdown lines, notes), where the suite has a comparison
+
+
+def suite_options_node() -> dict:
+    """{suite name: its Options dataclass}: the schema of eval.py's per-suite option nodes."""
+    return {name: SUITES.get(name).Options for name in SUITES.names()}
+
+
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")

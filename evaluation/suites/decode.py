@@ -1,0 +1,168 @@
+"""The decode suite: prefill and decode tokens/s, peak memory and decode-cache bytes against the context,
+measured on random tokens (positions past max_position_embeddings too: evaluation/context.py)."""
+import ctypes
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from common.plots import pyplot, save_figure
+from evaluation.context import first_line, positions_up_to
+from evaluation.suites import SUITES, Suite
+from model.options import option
+
+
+@dataclass
+class DecodeOptions:
+    contexts: list[int] = option([512, 1024, 2048, 4096, 8192, 16384], at_least=1)  # prompt lengths (tokens)
+    tokens: int = option(32, at_least=1)  # greedy single-token steps after each prompt
+
+
+class PeakMemory:
+    """Peak memory above the start of the block, in bytes (`.peak`): on CUDA torch's max allocated
+    (reset at the start) minus the allocated at the start; on CPU the process's peak RSS, sampled by a
+    thread every millisecond, minus the RSS at the start. glibc keeps freed memory for reuse, in RSS:
+    it is handed back first (malloc_trim), else what earlier work left would hide this block's peak."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self.peak = 0
+
+    def __enter__(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start = torch.cuda.memory_allocated(self.device)
+        else:
+            import psutil
+
+            release_freed_memory()
+            self.process = psutil.Process()
+            self.start = self.highest = self.process.memory_info().rss
+            self.done = threading.Event()
+            self.thread = threading.Thread(target=self.sample, daemon=True)
+            self.thread.start()
+        return self
+
+    def sample(self):
+        while not self.done.wait(0.001):
+            self.highest = max(self.highest, self.process.memory_info().rss)
+
+    def __exit__(self, *exc):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
+        else:
+            self.done.set()
+            self.thread.join()
+            self.peak = max(self.highest, self.process.memory_info().rss) - self.start
+
+
+def release_freed_memory() -> None:
+    """glibc's malloc_trim(0): return the heap's free memory to the OS (nothing elsewhere)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def clock(device) -> float:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def measure_decode(lm, context: int, decode_tokens: int, seed: int, device) -> dict:
+    """One prompt of `context` random tokens: prefill = one forward that builds the DecodeCache
+    (use_cache=True, logits of the last position only, as generate's first step), then decode_tokens
+    greedy one-token steps from that cache (as generate's later steps). tokens/s = tokens / wall time;
+    cache bytes per layer after the prefill (every tensor the layer keeps); peak memory over both
+    (PeakMemory)."""
+    prompt = torch.randint(lm.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
+    prompt = prompt.to(device)
+    with PeakMemory(device) as memory:
+        start = clock(device)
+        out = lm(input_ids=prompt, use_cache=True, logits_to_keep=1)
+        prefill = clock(device) - start
+        cache = out.past_key_values
+        per_layer = cache.layer_nbytes()
+        token = out.logits[:, -1:].argmax(-1)
+        start = clock(device)
+        for _ in range(decode_tokens):
+            out = lm(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+            token = out.logits[:, -1:].argmax(-1)
+        decode = clock(device) - start
+    return {"prefill_tokens_per_sec": context / prefill, "decode_tokens_per_sec": decode_tokens / decode,
+            "peak_mem_bytes": memory.peak, "cache_bytes": sum(per_layer), "cache_bytes_per_layer": per_layer}
+
+
+def decode_costs(lm, contexts: list[int], decode_tokens: int, seed: int, device) -> dict:
+    """measure_decode at each context, after one short warm-up (16-token prefill, 2 steps: first-call
+    costs out of the first row), past max_position_embeddings too (cost only: the module docstring); a
+    context that runs out of memory is a row with the reason under "skipped"."""
+    measure_decode(lm, 16, 2, seed, device)
+    rows = []
+    for context in contexts:
+        reason = None
+        try:
+            with positions_up_to(lm, context + decode_tokens):
+                row = {"context": context, **measure_decode(lm, context, decode_tokens, seed, device)}
+        except torch.OutOfMemoryError as e:
+            reason = f"out of memory: {first_line(e)}"
+        if reason is not None:
+            rows.append({"context": context, "skipped": reason})
+            print(f"decode {context}: skipped, {reason}")
+            continue
+        rows.append(row)
+        print(f"decode {context}: prefill {row['prefill_tokens_per_sec']:.0f} tok/s, decode "
+              f"{row['decode_tokens_per_sec']:.1f} tok/s, cache {row['cache_bytes'] / 2**20:.2f} MiB, "
+              f"peak {row['peak_mem_bytes'] / 2**20:.1f} MiB")
+    return {"contexts": list(contexts), "rows": rows}
+
+
+def plot_decode(report: dict, title: str, path: Path) -> Path:
+    """Prefill and decode tokens/s, and cache bytes, against the context (log-log)."""
+    plt = pyplot()
+    rows = [r for r in report["rows"] if "skipped" not in r]
+    contexts = [r["context"] for r in rows]
+    fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
+    speed.plot(contexts, [r["prefill_tokens_per_sec"] for r in rows], "o-", label="prefill")
+    speed.plot(contexts, [r["decode_tokens_per_sec"] for r in rows], "o-", label="decode")
+    speed.set_ylabel("tokens/s")
+    speed.legend()
+    memory.plot(contexts, [r["cache_bytes"] for r in rows], "o-", label="decode cache")
+    memory.plot(contexts, [max(r["peak_mem_bytes"], 1) for r in rows], "o--", label="peak memory")
+    memory.set_ylabel("bytes")
+    memory.legend()
+    for ax in (speed, memory):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("context (tokens)")
+    fig.suptitle(f"{title}: decoding")
+    return save_figure(fig, path)
+
+
+@SUITES.register("decode")
+class Decode(Suite):
+    Options = DecodeOptions
+
+    def run(self, ctx, opts: DecodeOptions) -> dict:
+        return decode_costs(ctx.lm, opts.contexts, opts.tokens, ctx.seed, ctx.device)
+
+    def scores(self, block: dict) -> dict[str, float]:
+        """Peak memory in GB (1e9 bytes)."""
+        out = {}
+        for row in block["rows"]:
+            if "skipped" not in row:
+                t = row["context"]
+                out.update({f"decode/prefill_tokens_per_sec@{t}": row["prefill_tokens_per_sec"],
+                            f"decode/tokens_per_sec@{t}": row["decode_tokens_per_sec"],
+                            f"decode/peak_mem_gb@{t}": row["peak_mem_bytes"] / 1e9,
+                            f"decode/cache_bytes@{t}": row["cache_bytes"]})
+        return out
+
+    def plot(self, block: dict, title: str, folder: Path) -> list[Path]:
+        return [plot_decode(block, title, Path(folder) / "decode.png")]

@@ -1,0 +1,159 @@
+"""The length suite: the val loss by position at the training length T and at multiples of it, and its
+mean per band of positions (band "1x": positions 1..T; band "kx", k >= 2: ((k/2) T, k T]), so that
+"kx minus 1x" says how the model extrapolates past the length it trained at."""
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from common.plots import legend_outside, pyplot, save_figure
+from data.types import Split
+from evaluation.context import first_line, positions_up_to, too_long
+from evaluation.suites import SUITES, Suite
+from model.options import option
+
+FACTORS = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass
+class LengthOptions:
+    factors: list[int] = option([1, 2, 4, 8], choices=FACTORS)  # lengths: these multiples of the training seq_len
+    sequences: int = option(8, at_least=1)  # val sequences per length (each inside one document with document masking)
+
+
+def single_document_blocks(split: Split, n: int, chunk: int = 256) -> torch.Tensor:
+    """The first n blocks [n, L] of the split that lie in one document: with document masking a block
+    counts if its position_ids run 0..L-1 unbroken, so that position t really has t tokens of context;
+    without it (the model trained across documents), every block counts."""
+    found, total = [], 0
+    for idx in torch.arange(len(split)).split(chunk):
+        batch = split.batch(idx)
+        ids = batch["input_ids"]
+        if "position_ids" in batch:
+            ids = ids[batch["position_ids"][:, -1] == ids.shape[1] - 1]
+        found.append(ids)
+        total += len(ids)
+        if total >= n:
+            break
+    return torch.cat(found)[:n]
+
+
+@torch.no_grad()
+def position_losses(lm, ids: torch.Tensor, batch_tokens: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum over the sequences ids [N, L] of the loss at each target position p = 1..L-1 (token p
+    predicted from tokens 0..p-1), and how many sequences scored each: two [L-1] tensors. Forwards of
+    max(1, batch_tokens // L) sequences."""
+    length = ids.shape[1]
+    loss_sum = torch.zeros(length - 1, dtype=torch.float64)
+    count = torch.zeros(length - 1, dtype=torch.long)
+    for chunk in ids.split(max(1, batch_tokens // length)):
+        chunk = chunk.to(device)
+        logits = lm(input_ids=chunk).logits[:, :-1].float()
+        loss = F.cross_entropy(logits.transpose(1, 2), chunk[:, 1:], reduction="none")  # [B, L-1]
+        loss_sum += loss.double().sum(0).cpu()
+        count += torch.isfinite(loss).sum(0).cpu()
+    return loss_sum, count
+
+
+def bands(per_position: list[float], train_seq_len: int, factors: list[int]) -> dict[str, float]:
+    """Mean loss per band of target positions p (1-based, per_position[p - 1]): band "1x" is p in [1, T],
+    band "kx" (k >= 2) is p in ((k/2) T, k T]; each cut at the positions there are (L - 1 of them)."""
+    out = {}
+    for k in sorted(factors):
+        lo, hi = (1, train_seq_len) if k == 1 else (k * train_seq_len // 2 + 1, k * train_seq_len)
+        band = per_position[lo - 1:hi]
+        if band:
+            out[f"{k}x"] = float(np.mean(band))
+    return out
+
+
+def log_binned(losses: list[float], bins: int = 48) -> tuple[list[float], list[float]]:
+    """The loss at target positions 1..n averaged within `bins` log-spaced bins of positions (over a few
+    sequences one position's loss is mostly noise): (each bin's mean position, its mean loss)."""
+    positions = np.arange(1, len(losses) + 1)
+    edges = np.unique(np.rint(np.geomspace(1, len(losses) + 1, bins + 1)).astype(int))
+    cuts = [(positions >= lo) & (positions < hi) for lo, hi in zip(edges[:-1], edges[1:])]
+    return ([float(positions[c].mean()) for c in cuts if c.any()],
+            [float(np.asarray(losses)[c].mean()) for c in cuts if c.any()])
+
+
+def plot_loss_by_position(curves: dict[str, list[float]], train_seq_len: int | None, title: str, path: Path) -> Path:
+    """Loss at each target position (log x, averaged in log-spaced bins: log_binned), one line per curve,
+    a vertical line at the training length."""
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for label, losses in curves.items():
+        ax.plot(*log_binned(losses), label=label, linewidth=1)
+    if train_seq_len:
+        ax.axvline(train_seq_len, color="gray", linestyle="--", linewidth=1, label="training length")
+    ax.set_xscale("log")
+    ax.set_xlabel("target position (tokens of context)")
+    ax.set_ylabel("loss (nats/token)")
+    ax.set_title(f"{title}: loss by position")
+    ax.grid(alpha=0.3)
+    legend_outside(ax)
+    return save_figure(fig, path)
+
+
+def loss_by_length(lm, val_at, train_seq_len: int, factors: list[int], sequences: int, batch_tokens: int,
+                   device) -> dict:
+    """The loss by position over `sequences` val blocks of each length L = k T (single_document_blocks;
+    val_at(L) gives the val Split at block length L), and the mean per band from the longest length
+    evaluated (one set of sequences for every band, bands()). A length is skipped, with the reason, past
+    max_position_embeddings of a model with positions (too_long), out of memory, or when the val split has
+    no such block. Forwards of batch_tokens tokens."""
+    T = train_seq_len
+    report = {"train_seq_len": T, "seq_lens": [], "per_position": {}, "positions_scored": {}, "sequences": {},
+              "skipped": {}}
+    for k in sorted(factors):
+        length = k * T
+        reason = too_long(lm, length)
+        if reason is None:
+            try:
+                ids = single_document_blocks(val_at(length), sequences)
+                if len(ids) == 0:
+                    reason = f"no val block of {length} tokens lies in one document"
+                else:
+                    start = time.perf_counter()
+                    with positions_up_to(lm, length):
+                        loss_sum, count = position_losses(lm, ids, batch_tokens, device)
+            except ValueError as e:  # no text, or a val split that cannot fill one block
+                reason = first_line(e)
+            except torch.OutOfMemoryError as e:
+                reason = f"out of memory: {first_line(e)}"
+        if reason is not None:
+            report["skipped"][f"{k}x"] = reason
+            print(f"length {length} ({k}x): skipped, {reason}")
+            continue
+        per_position = (loss_sum / count.clamp(min=1)).tolist()
+        report["seq_lens"].append(length)
+        report["per_position"][str(length)] = per_position
+        report["positions_scored"][str(length)] = int((count == len(ids)).sum())
+        report["sequences"][str(length)] = len(ids)
+        print(f"length {length} ({k}x): {len(ids)} sequences, loss {np.mean(per_position):.4f} "
+              f"[{time.perf_counter() - start:.1f}s]")
+    longest = report["seq_lens"][-1] if report["seq_lens"] else None
+    evaluated = [k for k in factors if k * T <= (longest or 0)]
+    report["bands"] = bands(report["per_position"][str(longest)], T, evaluated) if longest else {}
+    return report
+
+
+@SUITES.register("length")
+class Length(Suite):
+    Options = LengthOptions
+
+    def run(self, ctx, opts: LengthOptions) -> dict:
+        return loss_by_length(ctx.lm, ctx.val_at, ctx.train_seq_len, opts.factors, opts.sequences,
+                              ctx.batch_size * ctx.train_seq_len, ctx.device)
+
+    def scores(self, block: dict) -> dict[str, float]:
+        return {f"length/loss_{band}": loss for band, loss in block["bands"].items()}
+
+    def plot(self, block: dict, title: str, folder: Path) -> list[Path]:
+        if not block["seq_lens"]:
+            return []
+        curves = {f"L = {length}": block["per_position"][str(length)] for length in block["seq_lens"]}
+        return [plot_loss_by_position(curves, block["train_seq_len"], title, Path(folder) / "length_loss.png")]

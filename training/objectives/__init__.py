@@ -1,0 +1,75 @@
+"""Training objectives: what a run minimises, chosen by `objective=<name>` (configs/train.yaml), one file each
+here, registered by name (`@OBJECTIVES.register("<name>")`): a new objective is its file and its config keys.
+
+The loop (training/loop.py) sees only this interface:
+
+    objective = OBJECTIVES.get(cfg.objective)(cfg, lm, state)
+        loads what the run starts from (init_from's matching weights) and sets what trains (trainer.trainable);
+        state: Accelerate's PartialState (device, distributed type)
+    objective.module              what the loop forwards and Accelerate prepares: forward(input_ids, labels,
+                                  position_ids) -> LMOutput whose .loss is minimised, .lm_loss logged as train/loss
+    objective.begin_step(step)    before the step that follows `step` steps done, and before a checkpoint saved
+                                  after `step + 1` steps is loaded (its optimizer state covers what that step trained)
+    objective.phase_ends(max_steps) -> {step: phase}   where a phase ends: the loop logs and evaluates there
+    objective.evaluates_at_start  the loop evaluates once before the first step (a student zero-shot)
+    objective.leaves_parameters_unused   some steps leave parameters without a gradient (DDP must search)
+    objective.describe(max_steps) -> str | None   the plan, printed at the start
+
+The base class is the language-modelling loss itself (`objective=lm`, model/lm.py: CE + the blocks' aux losses)."""
+import importlib
+import pkgutil
+
+import torch.nn as nn
+
+from common.registry import Registry
+
+OBJECTIVES = Registry("objective")
+
+
+@OBJECTIVES.register("lm")
+class Objective:
+    """Next-token cross-entropy plus the blocks' aux losses, on the model itself."""
+    evaluates_at_start = False
+
+    def __init__(self, cfg, lm: nn.Module, state):
+        from training.checkpoint import load_matching_weights
+
+        self.cfg, self.lm = cfg, lm
+        self.new_parameters: list[str] = []  # parameters init_from did not have
+        if cfg.init_from:
+            report = load_matching_weights(lm, self.initial_weights())
+            self.new_parameters = report["new"]
+            state.print(f"init_from {cfg.init_from}: loaded {len(report['loaded'])} tensors; "
+                        f"new: {report['new'] or 'none'}; unused: {report['unused'] or 'none'}; "
+                        f"shape mismatch: {report['shape_mismatch'] or 'none'}")
+        trainable = cfg.trainer.trainable
+        if trainable:
+            for name, p in lm.named_parameters():
+                p.requires_grad_(any(s in name for s in trainable))
+            if not any(p.requires_grad for p in lm.parameters()):
+                raise ValueError(f"trainer.trainable={list(trainable)} matches no parameter name")
+
+    def initial_weights(self):
+        """What init_from loads the matching tensors from: a path, or a state dict."""
+        return self.cfg.init_from
+
+    @property
+    def module(self) -> nn.Module:
+        return self.lm
+
+    @property
+    def leaves_parameters_unused(self) -> bool:
+        return bool(self.cfg.trainer.trainable)
+
+    def begin_step(self, step: int) -> None:
+        pass
+
+    def phase_ends(self, max_steps: int) -> dict[int, str]:
+        return {}
+
+    def describe(self, max_steps: int) -> str | None:
+        return None
+
+
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")
