@@ -19,7 +19,7 @@ from model import DecoderLM, LMConfig
 from training.checkpoint import checkpoint_problem, export_final, load_checkpoint, save_checkpoint
 
 CONFIG = dict(vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              intermediate_size=64, attention=["softmax", "gdn"], ffn="moe")
+              intermediate_size=64, mixer=["softmax", "gdn"], ffn="moe")
 
 
 def batch(step: int, rank: int) -> torch.Tensor:

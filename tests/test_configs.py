@@ -1,6 +1,5 @@
 """Every config group composes with the defaults, every mixer x ffn choice builds a model that runs
-forward/backward, the YAML option sections against the blocks' Options dataclasses, option errors,
-and `attention` as the mixer's old name on the command line."""
+forward/backward, the YAML option sections against the blocks' Options dataclasses, and option errors."""
 import dataclasses
 
 import pytest
@@ -8,14 +7,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from training.config import CONFIG_DIR, group_choices, lm_config, register_hydra, resolve_aliases
+from training.config import CONFIG_DIR, group_choices, lm_config, register_hydra
 
 register_hydra()
 
 
 def compose_train(*overrides):
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return compose(config_name="train", overrides=resolve_aliases(list(overrides)))
+        return compose(config_name="train", overrides=list(overrides))
 
 
 @pytest.mark.parametrize("group", ["model", "mixer", "ffn", "optimizer", "data", "logger", "experiment"])
@@ -27,9 +26,9 @@ def test_every_choice_composes(group):
             assert cfg[group].name == choice
 
 
-@pytest.mark.parametrize("attention", group_choices("mixer"))
+@pytest.mark.parametrize("mixer", group_choices("mixer"))
 @pytest.mark.parametrize("ffn", group_choices("ffn"))
-def test_every_block_pair_builds_and_trains_one_step(attention, ffn, monkeypatch):
+def test_every_block_pair_builds_and_trains_one_step(mixer, ffn, monkeypatch):
     """Every parameter of every block gets a finite, non-zero gradient, and the configured optimizer's
     step moves every parameter and lowers the loss on the batch; DSA runs with top-k below the length,
     through its sparse kernels (the cost model would pick the masked path at this length)."""
@@ -37,9 +36,9 @@ def test_every_block_pair_builds_and_trains_one_step(attention, ffn, monkeypatch
     from model import DecoderLM
     from training.optim import build_optimizer
 
-    cfg = compose_train(f"attention={attention}", f"ffn={ffn}", "model.hidden_size=64", "model.num_hidden_layers=2",
+    cfg = compose_train(f"mixer={mixer}", f"ffn={ffn}", "model.hidden_size=64", "model.num_hidden_layers=2",
                         "model.num_attention_heads=2", "model.num_key_value_heads=2", "model.intermediate_size=128",
-                        *(["attention.options.topk=8"] if attention == "dsa" else []))
+                        *(["mixer.options.topk=8"] if mixer == "dsa" else []))
     ran = []
     monkeypatch.setattr(sa, "attention_path", lambda *args: "sparse")
     sparse_kernel = sa.sparse_attention_with_probs
@@ -51,7 +50,7 @@ def test_every_block_pair_builds_and_trains_one_step(attention, ffn, monkeypatch
     out = m(input_ids=x, labels=x)
     assert torch.isfinite(out.loss)
     out.loss.backward()
-    if attention == "dsa":  # every layer's attention over 8 of up to 40 keys
+    if mixer == "dsa":  # every layer's attention over 8 of up to 40 keys
         assert len(ran) == 2 and all(idx.shape == (2, 40, 8) for idx in ran)
     else:
         assert not ran
@@ -114,18 +113,6 @@ def test_bad_option_is_one_line_naming_block_option_value_and_valid(kind, name, 
     with pytest.raises(ValueError) as e:
         DecoderLM(config)
     assert str(e.value) == message
-
-
-def test_attention_is_the_mixer_on_the_command_line():
-    """attention=..., attention.options.<name>=... and model.attention=... compose exactly as their
-    mixer spellings (train.py and scripts/sweep.py pass overrides through resolve_aliases)."""
-    assert resolve_aliases(["attention=gdn,softmax", "+attention.options.x=1", "model.attention=[gdn]",
-                            "attention_x=1", "trainer.lr=1"]) == \
-        ["mixer=gdn,softmax", "+mixer.options.x=1", "model.mixer=[gdn]", "attention_x=1", "trainer.lr=1"]
-    old = compose_train("attention=gdn", "attention.options.chunk_size=16", "model.attention=[gdn,softmax,gdn,softmax]")
-    new = compose_train("mixer=gdn", "mixer.options.chunk_size=16", "model.mixer=[gdn,softmax,gdn,softmax]")
-    assert old == new and new.mixer.options.chunk_size == 16 and new.name == "gdn-dense-tiny"
-    assert lm_config(new, 64, None).layer_mixers == ["gdn", "softmax", "gdn", "softmax"]
 
 
 def test_trainer_lr_defaults_to_the_mixers_tuned_lr_for_the_optimizer():

@@ -114,10 +114,10 @@ MIXER_OPTIONS = {"gdn": {"chunk_size": 4}, "mamba2": {"chunk_size": 4, "head_dim
                  "linear": {"chunk_size": 4}, "dsa": {"topk": 3, "index_rope_dim": 8, "index_head_dim": 8}}
 
 
-def tiny_lm(attention) -> DecoderLM:
+def tiny_lm(mixer) -> DecoderLM:
     torch.manual_seed(0)
     config = LMConfig(vocab_size=50, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=64, attention=attention, mixer_options=MIXER_OPTIONS)
+                      num_key_value_heads=2, intermediate_size=64, mixer=mixer, mixer_options=MIXER_OPTIONS)
     model = DecoderLM(config).double()
     for p in model.parameters():  # past init, so that every part of each mixer matters
         p.data.add_(0.05 * torch.randn_like(p))
@@ -132,10 +132,10 @@ def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return rows
 
 
-@pytest.mark.parametrize("attention", ["softmax", "gdn", "derived_gdn", "mamba2", "linear", "dsa",
-                                       ["gdn", "softmax"]], ids=str)
-def test_packed_row_equals_documents_alone(attention):
-    model = tiny_lm(attention)
+@pytest.mark.parametrize("mixer", ["softmax", "gdn", "derived_gdn", "mamba2", "linear", "dsa",
+                                   ["gdn", "softmax"]], ids=str)
+def test_packed_row_equals_documents_alone(mixer):
+    model = tiny_lm(mixer)
     ids = torch.randint(0, 50, POSITIONS.shape, generator=torch.Generator().manual_seed(0))
     packed = model(input_ids=ids, position_ids=POSITIONS).logits
     unmasked = model(input_ids=ids).logits
@@ -148,9 +148,9 @@ def test_packed_row_equals_documents_alone(attention):
     assert not torch.allclose(packed[:, 5:], unmasked[:, 5:], atol=1e-4)
 
 
-@pytest.mark.parametrize("attention", ["softmax", "gdn", "mamba2", "linear"])
-def test_packed_gradients_equal_documents_alone(attention):
-    model = tiny_lm(attention)
+@pytest.mark.parametrize("mixer", ["softmax", "gdn", "mamba2", "linear"])
+def test_packed_gradients_equal_documents_alone(mixer):
+    model = tiny_lm(mixer)
     ids = torch.randint(0, 50, POSITIONS.shape, generator=torch.Generator().manual_seed(0))
     model(input_ids=ids, labels=ids, position_ids=POSITIONS).loss.backward()
     packed = {n: p.grad.clone() for n, p in model.named_parameters()}

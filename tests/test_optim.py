@@ -22,7 +22,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def every_block_model(**kw) -> DecoderLM:
     torch.manual_seed(0)
-    return DecoderLM(LMConfig(vocab_size=97, attention=MIXERS, ffn=["moe", "dense"] * 3, hidden_size=32,
+    return DecoderLM(LMConfig(vocab_size=97, mixer=MIXERS, ffn=["moe", "dense"] * 3, hidden_size=32,
                               num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2,
                               intermediate_size=64, eos_token_id=0, **kw))
 
