@@ -4,6 +4,8 @@ A suite is a class in its own file here, decorated `@SUITES.register("<name>")`,
 
     Options                              a dataclass of its options (model/options.py `option`): eval.py's
                                          <name>.* keys (`length.factors=[1,2,4]`), checked once
+    quick_options                        {option: value} small enough for a run in seconds on a tiny model
+                                         (the contract tests run every suite so: tests/test_contract_suites.py)
     run(ctx: EvalContext, opts) -> dict  its block of eval.json
     scores(block) -> {key: float}        its flat scores, named <name>/...: eval.json's scores, W&B, compare.py
     plot(block, title, folder) -> [Path] its PNGs of one model, written into folder
@@ -21,6 +23,7 @@ SUITES = Registry("suite")
 
 class Suite:
     Options: type
+    quick_options: dict = {}
 
     def run(self, ctx, opts) -> dict:
         raise NotImplementedError

@@ -148,6 +148,7 @@ def plot_decode(report: dict, title: str, path: Path) -> Path:
 @SUITES.register("decode")
 class Decode(Suite):
     Options = DecodeOptions
+    quick_options = {"contexts": [32, 64], "tokens": 2}
 
     def run(self, ctx, opts: DecodeOptions) -> dict:
         return decode_costs(ctx.lm, opts.contexts, opts.tokens, ctx.seed, ctx.device)

@@ -144,6 +144,7 @@ def loss_by_length(lm, val_at, train_seq_len: int, factors: list[int], sequences
 @SUITES.register("length")
 class Length(Suite):
     Options = LengthOptions
+    quick_options = {"factors": [1, 2], "sequences": 2}
 
     def run(self, ctx, opts: LengthOptions) -> dict:
         return loss_by_length(ctx.lm, ctx.val_at, ctx.train_seq_len, opts.factors, opts.sequences,

@@ -164,6 +164,7 @@ def plot_recall(report: dict, title: str, path: Path) -> Path:
 @SUITES.register("recall")
 class Recall(Suite):
     Options = RecallOptions
+    quick_options = {"contexts": [64, 128], "depths": [0.0, 1.0], "trials": 1, "mqar_factors": [1], "mqar_examples": 4}
 
     def run(self, ctx, opts: RecallOptions) -> dict:
         if ctx.data_cfg.name == "mqar":

@@ -1,0 +1,197 @@
+"""The contract every registered sequence mixer passes, read from the registry (model.registry.MIXERS): a
+mixer added as its two files (docs/extending.md) is checked here with no test file edited, alone and in a
+hybrid with softmax attention, at its default options:
+
+- cached decoding (a prefill, a chunk, single tokens) equals the full forward, and so does decoding after the
+  cache is reordered as beam search does;
+- a packed row (document positions) equals its documents run alone;
+- init_parameters() reaches every parameter;
+- one step under bf16 autocast gives finite fp32 gradients to every parameter of the mixer;
+- flops_per_token is positive and grows with the context (by more than 10% at 4x the context) exactly where the
+  decode cache does;
+- the optimizer split: Muon takes the blocks' nn.Linear weights, AdamW the rest, with no decay on 1-d
+  tensors, embeddings, A_log, dt_bias or D;
+- an HF save / from_pretrained round trip gives the same logits;
+- its Options (if any) parse from their defaults and its config file composes with an lr per optimizer.
+
+Lengths cross a chunk of 64 (the chunked ops' default) and are not multiples of it."""
+import dataclasses
+
+import pytest
+import torch
+
+from model import DecodeCache, DecoderLM, LMConfig
+from model.registry import MIXERS
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+VOCAB = 61
+LAYOUTS = [[name] for name in MIXERS.names()] + [[name, "softmax"] for name in MIXERS.names() if name != "softmax"]
+# Row 0 starts mid-document (position 3) and holds documents of 4, 1, 7 and 4 tokens; row 1 holds 9 + 7.
+POSITIONS = torch.tensor([[3, 4, 5, 6, 0, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3],
+                          [0, 1, 2, 3, 4, 5, 6, 7, 8, 0, 1, 2, 3, 4, 5, 6]])
+
+
+def lm(layers: list[str], seed: int = 0, perturb: bool = True, **config) -> DecoderLM:
+    """A small model of these mixers (dense FFNs), in float64 and, with perturb, moved off its init so that
+    every part of each mixer matters (gates at their init can hide a missing term)."""
+    torch.manual_seed(seed)
+    model = DecoderLM(LMConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=len(layers), num_attention_heads=4,
+                               num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
+                               mixer=layers, **config))
+    if perturb:
+        model = model.double()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    return model.eval()
+
+
+def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+def test_decoding_equals_the_full_forward(layers):
+    """A 37-token prefill, a 30-token chunk (across the 64-token chunk boundary), then single tokens."""
+    model, x = lm(layers), ids(2, 80)
+    with torch.no_grad():
+        full = model(x).logits
+        cache = DecodeCache(len(layers))
+        parts = [model(x[:, :37], past_key_values=cache, use_cache=True).logits,
+                 model(x[:, 37:67], past_key_values=cache, use_cache=True).logits]
+        parts += [model(x[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(67, 80)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+def test_decoding_after_a_beam_reorder_equals_the_full_forward(layers):
+    """reorder_cache (generate's beam search, every step) moves each layer's whole state with its row."""
+    model, x, new = lm(layers), ids(3, 9), ids(3, 3, seed=2)
+    beam = torch.tensor([2, 0, 0])  # row 1 dropped, row 0 duplicated, every row moved
+    with torch.no_grad():
+        cache = DecodeCache(len(layers))
+        model(x, past_key_values=cache, use_cache=True)
+        cache.reorder_cache(beam)
+        steps = torch.cat([model(new[:, t:t + 1], past_key_values=cache, use_cache=True).logits for t in range(3)], 1)
+        full = model(torch.cat([x[beam], new], 1)).logits[:, 9:]
+    torch.testing.assert_close(steps, full, rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+def test_a_packed_row_equals_its_documents_alone(layers):
+    model, x = lm(layers), ids(*POSITIONS.shape)
+    with torch.no_grad():
+        packed = model(input_ids=x, position_ids=POSITIONS).logits
+        unmasked = model(input_ids=x).logits
+        for b, row in enumerate(POSITIONS.tolist()):
+            starts = [0] + [t for t in range(1, len(row)) if row[t] == 0]
+            for start, end in zip(starts, starts[1:] + [len(row)]):  # each at its own positions
+                alone = model(input_ids=x[b:b + 1, start:end], position_ids=POSITIONS[b:b + 1, start:end]).logits[0]
+                torch.testing.assert_close(packed[b, start:end], alone, rtol=1e-9, atol=1e-9)
+    # the masking ran: without it, the tokens after the first restart see the earlier documents
+    assert not torch.allclose(packed[:, 5:], unmasked[:, 5:], atol=1e-4)
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+def test_init_reaches_every_parameter(layers):
+    """Every parameter is written by an init (from_pretrained leaves a missing one as it was allocated)."""
+    model = lm(layers, perturb=False, tie_word_embeddings=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.initialize_weights()
+    assert [name for name, p in model.named_parameters() if not p.isfinite().all()] == []
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+def test_one_step_under_bf16_autocast(layers):
+    """As a GPU run trains (CUDA bf16 autocast; here CPU's), with document positions: bf16 logits, and a
+    finite fp32 gradient for every parameter of every mixer."""
+    model = lm(layers, perturb=False).train()
+    x = ids(*POSITIONS.shape)
+    with torch.autocast("cpu", torch.bfloat16):
+        out = model(x, labels=x, position_ids=POSITIONS)
+    assert out.logits.dtype == torch.bfloat16 and torch.isfinite(out.loss)
+    out.loss.backward()
+    mixers = [(n, p) for n, p in model.named_parameters() if ".mixer." in n]
+    assert mixers
+    for name, p in mixers:
+        assert p.grad is not None and p.grad.dtype == torch.float32 and p.grad.isfinite().all(), name
+
+
+def cache_bytes(model: DecoderLM, length: int) -> int:
+    with torch.no_grad():
+        return model(ids(1, length), use_cache=True).past_key_values.nbytes()
+
+
+@pytest.mark.parametrize("name", MIXERS.names())
+def test_flops_grow_with_the_context_where_the_cache_does(name):
+    """A mixer whose decode cache grows with the context (attention's keys and values) costs more per token
+    at a longer context; one with a fixed state costs about the same (a chunked form's chunk-to-chunk
+    bookkeeping may add a few percent)."""
+    model = lm([name], perturb=False)
+    mixer = model.layers[0].mixer
+    short, long = mixer.flops_per_token(256), mixer.flops_per_token(1024)
+    assert short > 0
+    grows = cache_bytes(model, 96) > cache_bytes(model, 32)
+    assert (long > 1.1 * short) == grows, f"{name}: flops {short:g} -> {long:g} at 4x the context, cache grows: {grows}"
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+def test_the_optimizer_split(layers):
+    """optimizer=muon: Muon takes exactly the nn.Linear weights inside the blocks; AdamW the rest, decaying
+    none of the 1-d tensors, the embedding, A_log, dt_bias or D."""
+    from omegaconf import OmegaConf
+
+    from training.config import CONFIG_DIR
+    from training.optim import NO_DECAY_NAMES, build_optimizer
+
+    model = lm(layers, perturb=False)
+    muon, adamw = build_optimizer(model, OmegaConf.load(CONFIG_DIR / "optimizer" / "muon.yaml"), lr=1e-3).parts
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    linear = {f"{m}.weight" for m, module in model.named_modules()
+              if m.startswith("layers.") and isinstance(module, torch.nn.Linear)}
+    to_muon = {name_of[id(p)] for g in muon.param_groups for p in g["params"]}
+    to_adamw = {name_of[id(p)] for g in adamw.param_groups for p in g["params"]}
+    assert to_muon == linear and to_muon.isdisjoint(to_adamw) and to_muon | to_adamw == set(name_of.values())
+    params = dict(model.named_parameters())
+    decayed = {name_of[id(p)] for g in adamw.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    assert all(params[n].ndim >= 2 and "embed_tokens" not in n and n.rsplit(".", 1)[-1] not in NO_DECAY_NAMES
+               for n in decayed), decayed
+    assert not any(n.rsplit(".", 1)[-1] in NO_DECAY_NAMES for n in to_muon)
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+def test_hf_round_trip_gives_the_same_logits(layers, tmp_path):
+    model, x = lm(layers, perturb=False), ids(2, 20)
+    with torch.no_grad():  # off its init, so that a weight left at its init would show
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    loaded = DecoderLM.from_pretrained(tmp_path).eval()
+    assert loaded.config.layer_mixers == layers
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, loaded(x).logits)
+
+
+@pytest.mark.parametrize("name", MIXERS.names())
+def test_options_and_config(name):
+    """Its Options parse from their defaults; configs/mixer/<name>.yaml composes, names it, and gives an lr for
+    every optimizer (trainer.lr reads it)."""
+    from hydra import compose, initialize_config_dir
+
+    from model.options import parse_options
+    from training.config import CONFIG_DIR, group_choices, register_hydra
+
+    options = getattr(MIXERS.get(name), "Options", None)
+    if options is not None:
+        defaults = {f.name: getattr(options(), f.name) for f in dataclasses.fields(options)}
+        assert parse_options(name, options, defaults) == options()
+    register_hydra()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+        cfg = compose("train", [f"mixer={name}"])
+    assert cfg.mixer.name == name and set(cfg.mixer.lr) == set(group_choices("optimizer"))
+    assert cfg.trainer.lr == cfg.mixer.lr[cfg.optimizer.name] > 0
