@@ -52,12 +52,46 @@ def run_train(run_dir: Path, *overrides: str, launcher: list[str] | None = None,
     return proc
 
 
+def train_here(run_dir: Path, *overrides: str, cache: Path | None = None) -> str:
+    """train.py's run of TINY + overrides inside this process, for tests whose subject is not the command line:
+    the config composed and checked as train.py does (training/jobs.py compose, train.py's checked_config),
+    then the loop (training/loop.py train). Returns what it printed. Accelerate's state, the signal handlers and
+    torch's thread count are put back after, as the next test would find them in a new process."""
+    import contextlib
+    import io
+    import signal
+
+    from accelerate.state import AcceleratorState
+
+    from train import checked_config
+    from training.jobs import compose
+    from training.loop import train
+
+    overrides = [*TINY, f"run_dir={run_dir}", *overrides]
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    threads, cache_before = torch.get_num_threads(), os.environ.get("SWAPLM_CACHE")
+    if cache is not None:
+        os.environ["SWAPLM_CACHE"] = str(cache)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            train(checked_config(compose(overrides), overrides))
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        torch.set_num_threads(threads)
+        if cache_before is not None:
+            os.environ["SWAPLM_CACHE"] = cache_before
+    return printed.getvalue()
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, data_cache) -> tuple[Path, str]:
-    """One default train.py run of TINY (softmax + dense, 8 steps, checkpoint at 4, final/ export) and its
-    stdout, shared by the tests that check it and those that start from it."""
+    """One default run of TINY (softmax + dense, 8 steps, checkpoint at 4, final/ export), trained in this
+    process, and what it printed: shared by the tests that check it and those that start from it."""
     run = tmp_path_factory.mktemp("tiny") / "run"
-    return run, run_train(run, cache=data_cache).stdout
+    return run, train_here(run, cache=data_cache)
 
 
 ALTERNATION_ALPHABET = 16
