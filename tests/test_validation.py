@@ -10,7 +10,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from conftest import ROOT
-from scripts.sweep import compose
+from training.jobs import compose
 from training.config import config_for_resume, group_choices
 from training.validation import EVAL_RULES, TRAIN_RULES, check_eval_config, check_train_config, leaves, rule_for
 
