@@ -154,11 +154,12 @@ def plot_best_over(archs: list[Architecture], key: str, out: Path, style: Series
     written = []
     for a in archs:
         fig, ax = plt.subplots(figsize=(5, 3.5))
-        means, color = a.means(), style(a.label)["color"]
+        means, look = a.means(), style(a.label)
+        color = look["color"]
         x = {v: v if numeric(means) else i for i, v in enumerate(means)}  # names (a parametrization) sit at 0, 1, ...
         for v, scores in a.points.items():
             ax.plot([x[v]] * len(scores), scores, "o", color=color, alpha=0.5, ms=4)
-        ax.plot([x[v] for v in means], list(means.values()), "-", color=color)
+        ax.plot([x[v] for v in means], list(means.values()), color=color, linestyle=look["linestyle"])
         best = x[a.pick.value]
         ax.axvline(best, color="gray", ls=":", label=f"best {key} = {value_text(a.pick.value)}")
         log = numeric(means) and all(v > 0 for v in means)

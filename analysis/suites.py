@@ -158,7 +158,7 @@ def compare_decode(points: list[EvalPoint], out: Path, style: SeriesStyle) -> tu
     decoded = [p for p in points if p.blocks("decode")]
     if not decoded:
         return [], [], []
-    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"wspace": 0.3})
     for p in decoded:
         by_context = [decode_rows(r) for r in p.reports if r.get("decode")]
         contexts = sorted({c for rows in by_context for c in rows})
