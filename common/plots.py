@@ -77,7 +77,7 @@ def mean_band(ax, points: list[list[tuple[float, float]]], label: str, style: di
     if not rows:
         return
     xs, ys, lo, hi = (list(c) for c in zip(*rows))
-    ax.plot(xs, ys, label=label, ms=4, **style, **kwargs)
+    ax.plot(xs, ys, label=label, **{"ms": 4, **style, **kwargs})
     if len(xs) > 1:
         ax.fill_between(xs, lo, hi, color=style["color"], alpha=0.15, linewidth=0)
     elif hi[0] > lo[0]:

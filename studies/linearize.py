@@ -246,7 +246,7 @@ def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_
             label = f"from scratch, {n} steps"
             points = at_steps([run_dir(out, f"scratch{n}", student, s, best_scratch_lr(out, student, grid, seeds[:1], n))
                                for s in seeds])
-            mean_band(ax, points, f"{student} {label}", {**style(label), "marker": None})
+            mean_band(ax, points, f"{student} {label}", style(label), ms=3)
             shown += [statistics.mean(y for _, y in p) for p in points[-1:]]
         ax.set(title=student, xlabel="training tokens (linearized: after the teacher's)", xscale="log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decades only: minor labels overlap

@@ -187,6 +187,7 @@ def test_every_documented_command_composes(page, command, monkeypatch, hydra_con
     ("python scripts/bench.py nosuchsuite", "nosuchsuite"),
     ("accelerate launch --config_file configs/accelerate/nope.yaml train.py", "configs/accelerate/nope.yaml does not exist"),
     ("python scripts/nope.py", "scripts/nope.py does not exist"),
+    ("python studies/mqar.py --mixers", "the parser refused it"),
 ])
 def test_the_check_catches_a_broken_command(bad, why, monkeypatch, hydra_configs):
     with pytest.raises(BaseException) as e:
