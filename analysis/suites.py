@@ -101,17 +101,19 @@ def compare_length(points: list[EvalPoint], out: Path, style: SeriesStyle) -> tu
     curves = [(p, curve) for p in points if (curve := length_curve(p.blocks("length")))]
     if curves:
         fig, ax = pyplot().subplots(figsize=(7, 4.5))
+        lengths = {length for _, (length, _) in curves}
         for p, (length, losses) in curves:
             look = style(p.label)
             ax.plot(*log_binned(losses, LENGTH_BINS), lw=1.2, color=look["color"], linestyle=look["linestyle"],
-                    label=f"{p.label} (length {length})")
+                    label=p.label if len(lengths) == 1 else f"{p.label} (length {length})")
         trained = sorted({b["train_seq_len"] for p, _ in curves for b in p.blocks("length") if b.get("train_seq_len")})
         for t in trained:
             ax.axvline(t, color="gray", ls="--", lw=1, label=f"training length {t}")
         if trained:
             ax.axvspan(trained[0], max(length for _, (length, _) in curves), color="gray", alpha=0.08, lw=0)
         ax.set_xscale("log")
-        ax.set(xlabel="position", ylabel="loss (nats/token)")
+        ax.set(xlabel="position" + (f" (in sequences of {lengths.pop()} tokens)" if len(lengths) == 1 else ""),
+               ylabel="loss (nats/token)")
         ax.grid(alpha=0.3)
         legend_outside(ax)
         written.append(save_figure(fig, out / "length.png"))

@@ -536,7 +536,7 @@ def test_every_figure_draws_an_architecture_in_its_colour(tmp_path, plotted):
     # the gdn series: its two seeds' mean at 10 steps, then its 20-step run's end
     assert ([10 * 2 * 256, 10 * 4 * 256], [2.5, 1.5]) in plotted["val_loss_tokens.png"]
     assert curves[gdn][0] == curves[warm][0] != curves[softmax][0] and curves[gdn][1] != curves[warm][1]
-    for name, labels in (("length.png", ("gdn_10_0 (length 128)", "softmax_10_0 (length 128)")),
+    for name, labels in (("length.png", ("gdn_10_0", "softmax_10_0")),
                          ("decode.png", ("gdn_10_0", "softmax_10_0")), ("recall_state.png", ("gdn_10_0", "softmax_10_0"))):
         colours = [plotted.styles[name][label][0] for label in labels]
         assert colours == [curves[gdn][0], curves[softmax][0]], name
