@@ -22,72 +22,16 @@ import time
 import traceback
 
 import torch
-import torch.nn.functional as F
 
+from checks.fla_cases import (gdn_inputs, linear_inputs, op_gdn_chunk, op_gdn_recurrent, op_linear, op_ssd, run_op,
+                              ssd_inputs)
 from model.ops import kernels
-from model.ops.gated_delta import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
-from model.ops.linear_attention import chunk_linear_attn
-from model.ops.ssd import mamba_chunk_scan
 
 GDN, LINEAR, SSD = "fla.ops.gated_delta_rule", "fla.ops.linear_attn", "fla.ops.simple_gla"
 CU_SEQLENS = torch.tensor([0, 13, 83, 100])  # lengths 13, 70, 17: a sequence over two of fla's 64-token chunks
 CU_SHORT = torch.tensor([0, 3, 9, 11])  # for the per-token recurrence
-
-
-def _inputs(seed: int, **shapes) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
-
-
-def gdn_inputs(B=2, T=70, H=2, K=16, V=16, state=True) -> dict:
-    x = _inputs(0, q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), g=(B, T, H), beta=(B, T, H),
-                initial_state=(B, H, K, V))
-    x["q"], x["k"] = F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1)  # as GDN's l2norm
-    x["g"], x["beta"] = F.logsigmoid(x["g"] + 2), x["beta"].sigmoid()
-    x["initial_state"] = 0.1 * x["initial_state"] if state else None
-    return x
-
-
-def linear_inputs(B=2, T=70, H=2, K=16, V=16, state=True) -> dict:
-    x = _inputs(1, q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), S0=(B, H, K, V), z0=(B, H, K))
-    x["q"], x["k"] = F.elu(x["q"]) + 1, F.elu(x["k"]) + 1  # the linear mixer's elu1 feature map
-    x["S0"], x["z0"] = (0.1 * x["S0"], F.elu(x["z0"]) + 3) if state else (None, None)
-    return x
-
-
-def ssd_inputs(B=2, T=70, H=4, P=8, G=1, N=16, state=True) -> dict:
-    x = _inputs(2, x=(B, T, H, P), dt=(B, T, H), A=(H,), B=(B, T, G, N), C=(B, T, G, N), D=(H,), dt_bias=(H,),
-                initial_states=(B, H, P, N))
-    x["A"], x["dt_bias"] = -torch.exp(x["A"]), 0.5 * x["dt_bias"] - 2
-    x["initial_states"] = 0.1 * x["initial_states"] if state else None
-    return x
-
-
-def gdn_chunk(q, k, v, g, beta, initial_state, cu_seqlens=None):
-    o, S = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                  cu_seqlens=cu_seqlens)
-    return {"o": o, "state": S}
-
-
-def gdn_recurrent(q, k, v, g, beta, initial_state, cu_seqlens=None):
-    o, S = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                            cu_seqlens=cu_seqlens)
-    return {"o": o, "state": S}
-
-
-def linear(normalize: bool):
-    def run(q, k, v, S0, z0, cu_seqlens=None):
-        state = None if S0 is None else ((S0, z0) if normalize else S0)
-        o, final = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=True, normalize=normalize,
-                                     cu_seqlens=cu_seqlens)
-        return {"o": o, "state": final[0] if normalize else final}
-    return run
-
-
-def ssd(x, dt, A, B, C, D, dt_bias, initial_states, cu_seqlens=None):
-    y, S = mamba_chunk_scan(x, dt, A, B, C, 64, D=D, dt_bias=dt_bias, dt_softplus=True,
-                            initial_states=initial_states, return_final_states=True, cu_seqlens=cu_seqlens)
-    return {"y": y, "state": S}
+# small shapes: the interpreter runs every kernel program in Python
+GDN_SHAPE, LINEAR_SHAPE, SSD_SHAPE = dict(H=2, K=16, V=16), dict(seed=1, H=2, K=16, V=16), dict(seed=2, H=4, P=8, G=1, N=16)
 
 
 def per_sequence(op):
@@ -112,51 +56,36 @@ GDN_GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 # name: (our op, its inputs, the inputs differentiated, the fla module and function the dispatch must call,
 #        the reference when it is not the same op on the PyTorch path, the dtype fla runs in)
 CASES = {
-    "gdn chunk, initial state": (gdn_chunk, gdn_inputs(), GDN_GRADS, GDN, "chunk_gated_delta_rule"),
-    "gdn chunk, cu_seqlens": (gdn_chunk, {**gdn_inputs(B=1, T=T_PACKED, state=False), "cu_seqlens": CU_SEQLENS},
+    "gdn chunk, initial state": (op_gdn_chunk, gdn_inputs(70, **GDN_SHAPE), GDN_GRADS, GDN, "chunk_gated_delta_rule"),
+    "gdn chunk, cu_seqlens": (op_gdn_chunk, {**gdn_inputs(T_PACKED, B=1, state=False, **GDN_SHAPE), "cu_seqlens": CU_SEQLENS},
                               GDN_GRADS[:-1], GDN, "chunk_gated_delta_rule"),
     "gdn chunk, cu_seqlens and initial states": (
-        gdn_chunk, varlen({**gdn_inputs(B=1, T=T_PACKED), "cu_seqlens": CU_SEQLENS}, ("initial_state",)),
-        GDN_GRADS, GDN, "chunk_gated_delta_rule", per_sequence(gdn_chunk)),
-    "gdn chunk, bf16 q k v": (gdn_chunk, gdn_inputs(), GDN_GRADS, GDN, "chunk_gated_delta_rule", None, torch.bfloat16),
+        op_gdn_chunk, varlen({**gdn_inputs(T_PACKED, B=1, **GDN_SHAPE), "cu_seqlens": CU_SEQLENS}, ("initial_state",)),
+        GDN_GRADS, GDN, "chunk_gated_delta_rule", per_sequence(op_gdn_chunk)),
+    "gdn chunk, bf16 q k v": (op_gdn_chunk, gdn_inputs(70, **GDN_SHAPE), GDN_GRADS, GDN, "chunk_gated_delta_rule", None,
+                              torch.bfloat16),
     # forward only: fla's fused recurrent GDN has no backward (it raises NotImplementedError); we decode with it
-    "gdn recurrent, initial state": (gdn_recurrent, gdn_inputs(T=7), (), GDN, "fused_recurrent_gated_delta_rule"),
-    "gdn recurrent, one token": (gdn_recurrent, gdn_inputs(T=1), (), GDN, "fused_recurrent_gated_delta_rule"),
-    "gdn recurrent, cu_seqlens": (gdn_recurrent, {**gdn_inputs(B=1, T=11, state=False), "cu_seqlens": CU_SHORT},
+    "gdn recurrent, initial state": (op_gdn_recurrent, gdn_inputs(7, **GDN_SHAPE), (), GDN, "fused_recurrent_gated_delta_rule"),
+    "gdn recurrent, one token": (op_gdn_recurrent, gdn_inputs(1, **GDN_SHAPE), (), GDN, "fused_recurrent_gated_delta_rule"),
+    "gdn recurrent, cu_seqlens": (op_gdn_recurrent, {**gdn_inputs(11, B=1, state=False, **GDN_SHAPE), "cu_seqlens": CU_SHORT},
                                   (), GDN, "fused_recurrent_gated_delta_rule"),
-    "linear, initial state": (linear(False), linear_inputs(), ("q", "k", "v", "S0"), LINEAR, "chunk_linear_attn"),
-    "linear normalized, initial state": (linear(True), linear_inputs(), ("q", "k", "v", "S0", "z0"), LINEAR,
-                                         "chunk_linear_attn"),
-    "linear normalized, cu_seqlens": (linear(True), {**linear_inputs(B=1, T=T_PACKED, state=False),
-                                                     "cu_seqlens": CU_SEQLENS}, ("q", "k", "v"), LINEAR,
+    "linear, initial state": (op_linear(False), linear_inputs(70, **LINEAR_SHAPE), ("q", "k", "v", "S0"), LINEAR,
+                              "chunk_linear_attn"),
+    "linear normalized, initial state": (op_linear(True), linear_inputs(70, **LINEAR_SHAPE), ("q", "k", "v", "S0", "z0"),
+                                         LINEAR, "chunk_linear_attn"),
+    "linear normalized, cu_seqlens": (op_linear(True), {**linear_inputs(T_PACKED, B=1, state=False, **LINEAR_SHAPE),
+                                                        "cu_seqlens": CU_SEQLENS}, ("q", "k", "v"), LINEAR,
                                       "chunk_linear_attn"),
-    "mamba2 ssd, initial state": (ssd, ssd_inputs(), ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_states"), SSD,
-                                  "chunk_simple_gla"),
-    "mamba2 ssd, cu_seqlens": (ssd, {**ssd_inputs(B=1, T=T_PACKED, state=False), "cu_seqlens": CU_SEQLENS},
+    "mamba2 ssd, initial state": (op_ssd, ssd_inputs(70, **SSD_SHAPE), ("x", "dt", "A", "B", "C", "D", "dt_bias",
+                                                                        "initial_states"), SSD, "chunk_simple_gla"),
+    "mamba2 ssd, cu_seqlens": (op_ssd, {**ssd_inputs(T_PACKED, B=1, state=False, **SSD_SHAPE), "cu_seqlens": CU_SEQLENS},
                                ("x", "dt", "A", "B", "C", "D", "dt_bias"), SSD, "chunk_simple_gla"),
 }
-# the inputs fla gets in the bf16 case's dtype (q, k, v, as GDN hands them); the rest stay fp32
-LOW_PRECISION_INPUTS = ("q", "k", "v")
 
 
 def run(op, inputs: dict, grads: tuple[str, ...], dtype: torch.dtype, low: torch.dtype | None = None) -> dict:
-    """op(**inputs) in dtype (`low` for LOW_PRECISION_INPUTS if given): outputs and d(sum_i <out_i, w_i>)/d
-    input for `grads`, w_i fixed random; all returned in float64."""
-    leaves = {}
-    for name, x in inputs.items():
-        if torch.is_tensor(x) and x.is_floating_point():
-            x = x.to(low if low is not None and name in LOW_PRECISION_INPUTS else dtype, copy=True)
-            x.requires_grad_(name in grads)
-        leaves[name] = x
-    outs = op(**leaves)
-    result = {name: out.detach().double() for name, out in outs.items()}
-    if grads:
-        g = torch.Generator().manual_seed(3)
-        loss = sum((out.double() * torch.randn(out.shape, generator=g, dtype=torch.float64)).sum()
-                   for _, out in sorted(outs.items()))
-        loss.backward()
-        result.update({f"d{name}": leaves[name].grad.double() for name in grads})
-    return result
+    """run_op on the CPU (its gradients of a loss with fixed random weights), every result in float64."""
+    return {name: value.double() for name, value in run_op(op, inputs, "cpu", dtype, grads, seed=3, low=low).items()}
 
 
 def interpreter_as_compiled() -> None:

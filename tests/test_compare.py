@@ -12,46 +12,51 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY
 from model import DecoderLM
-from scripts import compare, sweep
+from analysis import best, summary, sweep
+from analysis.report import compare
+from analysis.runner import launcher_command
+from analysis.runs import Run, discover
+from scripts import compare as compare_script, sweep as sweep_script
+from training.jobs import compose
 from training.config import lm_config
 from training.metrics import read_metrics
 
 
 # ---- sweeps ----------------------------------------------------------------------------------------
 def test_expand_grid_and_names():
-    overrides = ["attention=softmax,gdn", "trainer.lr=1e-3", "model.attention=[gdn,softmax],[softmax,gdn]"]
+    overrides = ["mixer=softmax,gdn", "trainer.lr=1e-3", "model.mixer=[gdn,softmax],[softmax,gdn]"]
     grid = sweep.expand_grid(overrides)
     assert grid == [
-        ["attention=softmax", "trainer.lr=1e-3", "model.attention=[gdn,softmax]"],
-        ["attention=softmax", "trainer.lr=1e-3", "model.attention=[softmax,gdn]"],
-        ["attention=gdn", "trainer.lr=1e-3", "model.attention=[gdn,softmax]"],
-        ["attention=gdn", "trainer.lr=1e-3", "model.attention=[softmax,gdn]"],
+        ["mixer=softmax", "trainer.lr=1e-3", "model.mixer=[gdn,softmax]"],
+        ["mixer=softmax", "trainer.lr=1e-3", "model.mixer=[softmax,gdn]"],
+        ["mixer=gdn", "trainer.lr=1e-3", "model.mixer=[gdn,softmax]"],
+        ["mixer=gdn", "trainer.lr=1e-3", "model.mixer=[softmax,gdn]"],
     ]
     assert sweep.job_name(grid[1], overrides) == "softmax-_softmax_gdn_"
     with pytest.raises(ValueError, match="not key=value"):
-        sweep.expand_grid(["attention"])
+        sweep.expand_grid(["mixer"])
 
 
 def test_match_params_equalises_active_counts():
     """model.intermediate_size is chosen so that active params are the closest to the reference's."""
     base = ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_key_value_heads=4", "data.vocab_size=512"]
-    target = sweep.parameter_counts(sweep.compose(base + ["attention=softmax"]))["active"]
-    cfg = sweep.compose(base + ["attention=mamba2"])
+    target = sweep.parameter_counts(compose(base + ["mixer=softmax"]))["active"]
+    cfg = compose(base + ["mixer=mamba2"])
     size = sweep.match_intermediate_size(cfg, target, "active")
     counts = [sweep.parameter_counts(cfg, i)["active"] for i in (size - 16, size, size + 16)]
     assert abs(counts[1] - target) == min(abs(c - target) for c in counts) and abs(counts[1] - target) / target < 0.02
-    moe = sweep.compose(base + ["attention=softmax", "ffn=moe"])
+    moe = compose(base + ["mixer=softmax", "ffn=moe"])
     assert abs(sweep.parameter_counts(moe, sweep.match_intermediate_size(moe, target, "active"))["active"] - target) / target < 0.02
 
 
 @pytest.mark.slow
 def test_hydra_multirun_writes_every_job_and_compare_reads_them(tmp_path, data_cache):
-    """python train.py -m attention=softmax,gdn (W&B offline): two jobs with the same data, seed and
+    """python train.py -m mixer=softmax,gdn (W&B offline): two jobs with the same data, seed and
     tokens, each at its mixer's tuned lr, two complete runs; then the compare.py CLI tables both (their
     wandb/ folders not twice)."""
     sweep_dir = tmp_path / "sweep"
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), "-m", *TINY, "trainer.max_steps=4", "logger=wandb",
-                           "logger.mode=offline", "+experiment_name=tiny_sweep", "attention=softmax,gdn",
+                           "logger.mode=offline", "+experiment_name=tiny_sweep", "mixer=softmax,gdn",
                            f"hydra.sweep.dir={sweep_dir}"],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -87,7 +92,7 @@ def test_sweep_continues_past_a_failed_job(tmp_path, data_cache, capsys):
     finds out: the config checks pass), job 0 still completes; the summary names the failure and the exit status is 1."""
     out = tmp_path / "sweep"
     missing = tmp_path / "no_such_run"
-    rc = sweep.main([*TINY, "trainer.max_steps=2", f"init_from=null,{missing}", "--launcher", "python", "--jobs", "2",
+    rc = sweep_script.main([*TINY, "trainer.max_steps=2", f"init_from=null,{missing}", "--launcher", "python", "--jobs", "2",
                      "--out", str(out)])
     text = capsys.readouterr().out
     assert rc == 1
@@ -100,17 +105,14 @@ def test_sweep_continues_past_a_failed_job(tmp_path, data_cache, capsys):
 
 
 def test_sweep_launcher_commands():
-    args = type("A", (), {"launcher": "accelerate", "accelerate_config": "configs/accelerate/multi_gpu.yaml",
-                          "num_processes": 4})()
-    assert sweep.launcher_command(args)[1:] == ["-m", "accelerate.commands.launch", "--config_file",
-                                                "configs/accelerate/multi_gpu.yaml", "--num_processes", "4"]
-    args.launcher = "python"
-    assert sweep.launcher_command(args) == [sys.executable]
+    assert launcher_command("accelerate", "configs/accelerate/multi_gpu.yaml", 4)[1:] == [
+        "-m", "accelerate.commands.launch", "--config_file", "configs/accelerate/multi_gpu.yaml", "--num_processes", "4"]
+    assert launcher_command("python") == [sys.executable]
 
 
 # ---- compare ---------------------------------------------------------------------------------------
 def tiny_config(*overrides) -> dict:
-    cfg = sweep.compose(["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+    cfg = compose(["model.hidden_size=32", "model.num_hidden_layers=2", "model.num_attention_heads=2",
                          "model.num_key_value_heads=2", "model.intermediate_size=64", "data.vocab_size=64",
                          "trainer.seq_len=32", *overrides])
     return OmegaConf.to_container(cfg, resolve=True)
@@ -144,7 +146,7 @@ def offline_wandb_run(tmp_path_factory):
     import wandb
 
     folder = tmp_path_factory.mktemp("wandb")
-    config = tiny_config("attention=mamba2")
+    config = tiny_config("mixer=mamba2")
     run = wandb.init(mode="offline", dir=str(folder), project="p", group="g", name="wb-mamba2",
                      config={**config, "params": {"total": 1234, "active": 1000}})
     for i, loss in enumerate([3.0, 2.5, 2.25], 1):
@@ -159,7 +161,7 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     write_run(runs / "a_softmax", tiny_config(), train_rows([100, 200, 300, 400], [4.0, 3.5, 3.0, 2.5]),
               params={"total": 5000, "active": 5000})
     moe_extra = {"moe/imbalance": 1.5, "moe/layer0/load": [0.5, 0.25, 0.25, 0.0], "moe/layer1/load": [0.25] * 4}
-    write_run(runs / "b_gdn_moe", tiny_config("attention=gdn", "ffn=moe", "ffn.options.num_experts=4"),
+    write_run(runs / "b_gdn_moe", tiny_config("mixer=gdn", "ffn=moe", "ffn.options.num_experts=4"),
               train_rows([50, 60, 70], [4.0, 3.8, 3.6], elapsed=False, extra=moe_extra))  # no run_info: rebuilt
     write_run(runs / "c_unfinished", tiny_config(), train_rows([1], [5.0]), final=False)
     mqar = [{**r, "val/mqar_acc": 0.5, "val/mqar_acc/32x4": 0.75, "val/mqar_acc/32x8": 0.25}
@@ -172,7 +174,7 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     (runs / "a_softmax" / "wandb").symlink_to(offline_wandb_run.parent)
 
     out = tmp_path / "report"
-    result = compare.compare([runs, offline_wandb_run], out)
+    result = compare([runs, offline_wandb_run], out)
     rows = {r["run"]: r for r in csv.DictReader((out / "compare.csv").open())}
     assert set(rows) == {"a_softmax", "b_gdn_moe", "d_mqar", "wb-mamba2"}
     a, b, d, w = rows["a_softmax"], rows["b_gdn_moe"], rows["d_mqar"], rows["wb-mamba2"]
@@ -181,7 +183,7 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     assert float(a["peak_mem_gb"]) == pytest.approx(0.4) and float(a["wall_s"]) == 28.0
     assert float(b["wall_s"]) == 15.0  # no time/elapsed: cumulated step_time x steps
     assert (b["mixer"], b["ffn"], float(b["moe_imbalance"])) == ("gdn", "moe", 1.5)
-    built = DecoderLM(lm_config(OmegaConf.create(tiny_config("attention=gdn", "ffn=moe", "ffn.options.num_experts=4")),
+    built = DecoderLM(lm_config(OmegaConf.create(tiny_config("mixer=gdn", "ffn=moe", "ffn.options.num_experts=4")),
                                 64, None)).parameter_counts()
     assert (int(b["params_total"]), int(b["params_active"])) == (built["total"], built["active"])
     assert built["total"] > built["active"]
@@ -196,21 +198,6 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     for png in ("val_loss_tokens", "val_loss_time", "throughput", "moe_load", "mqar_state", "mqar_width"):
         assert (out / f"{png}.png").stat().st_size > 1000, png
     assert len(result["summaries"]) == 4
-
-
-def test_compare_reads_runs_saved_when_mixer_was_attention(tmp_path):
-    """A run dir whose config.yaml says attention (group and model.attention) reads as a mixer run,
-    its model rebuilt for the parameter counts and the MQAR state size."""
-    config = tiny_config("experiment=mqar", "mixer=gdn", "model.mixer=[gdn,softmax]", "trainer.seq_len=32",
-                         "data.vocab_size=64")
-    config["attention"], config["model"]["attention"] = config.pop("mixer"), config["model"].pop("mixer")
-    rows = [{**r, "val/mqar_acc": 0.5} for r in train_rows([10, 10], [1.0, 0.5])]
-    write_run(tmp_path / "old_gdn", config, rows)
-    s = compare.summarize_run(compare.read_local(tmp_path / "old_gdn"))
-    built = DecoderLM(lm_config(OmegaConf.create(tiny_config("experiment=mqar", "mixer=gdn", "model.mixer=[gdn,softmax]",
-                                                             "trainer.seq_len=32", "data.vocab_size=64")), 64, None))
-    assert s["mixer"] == "gdn:softmax 1:1" and s["params_total"] == built.parameter_counts()["total"]
-    assert s["state_size"] > 2 * 32 * 32  # softmax's K, V at 32 tokens plus gdn's state
 
 
 def test_compare_reads_wandb_api(tmp_path, monkeypatch):
@@ -234,13 +221,13 @@ def test_compare_reads_wandb_api(tmp_path, monkeypatch):
     class FakeApi:
         def runs(self, path, filters):
             asked.update(path=path, filters=filters)
-            return [FakeRun("api-gdn", "finished", {**tiny_config("attention=gdn"), "params": {"total": 9, "active": 8}},
+            return [FakeRun("api-gdn", "finished", {**tiny_config("mixer=gdn"), "params": {"total": 9, "active": 8}},
                             history),
                     FakeRun("api-running", "running", tiny_config(), history[:1])]
 
     monkeypatch.setattr(wandb, "Api", FakeApi)
     out = tmp_path / "report"
-    assert compare.main(["--wandb", "e/p/g", "--out", str(out)]) == 0
+    assert compare_script.main(["--wandb", "e/p/g", "--out", str(out)]) == 0
     assert asked == {"path": "e/p", "filters": {"group": "g"}}
     rows = list(csv.DictReader((out / "compare.csv").open()))
     assert [r["run"] for r in rows] == ["api-gdn"]
@@ -250,22 +237,22 @@ def test_compare_reads_wandb_api(tmp_path, monkeypatch):
     assert (r["group"], float(r["eval/val/bpb"]), float(r["eval/step_0000004/val/bpb"])) == ("g", 1.25, 1.5)
     assert "skipped api-running" in (out / "compare.md").read_text()
     with pytest.raises(SystemExit):
-        compare.main(["--wandb", "just-a-project", "--out", str(out)])
+        compare_script.main(["--wandb", "just-a-project", "--out", str(out)])
 
 
 def test_sweep_expands_lr_and_seed_axes():
-    overrides = ["attention=gdn,mamba2", "trainer.lr=1e-3,3e-3", "seed=0,1"]
+    overrides = ["mixer=gdn,mamba2", "trainer.lr=1e-3,3e-3", "seed=0,1"]
     grid = sweep.expand_grid(overrides)
-    assert len(grid) == 8 and grid[1] == ["attention=gdn", "trainer.lr=1e-3", "seed=1"]
+    assert len(grid) == 8 and grid[1] == ["mixer=gdn", "trainer.lr=1e-3", "seed=1"]
     assert sweep.job_name(grid[3], overrides) == "gdn-3e-3-1"
-    cfg = sweep.compose(grid[3])
+    cfg = compose(grid[3])
     assert (cfg.trainer.lr, cfg.seed) == (3e-3, 1)
 
 
 def test_experiment_declares_its_lr_axis():
     """experiment=mqar sweeps trainer.lr unless it is given; mqar_quick and compare declare their own
     grids; an experiment without one adds no axis."""
-    given = ["experiment=mqar", "attention=gdn,mamba2"]
+    given = ["experiment=mqar", "mixer=gdn,mamba2"]
     assert sweep.with_config_axes(given) == given + ["trainer.lr=1e-3,3e-3,1e-2,3e-2"]
     assert sweep.with_config_axes(["experiment=mqar", "trainer.lr=1e-2"]) == ["experiment=mqar", "trainer.lr=1e-2"]
     assert sweep.with_config_axes(["experiment=mqar_quick"])[-1] == "trainer.lr=1e-3,3e-3,1e-2"
@@ -280,7 +267,7 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
     runs = tmp_path / "runs"
     acc = {1e-3: (0.2, 0.4), 3e-3: (0.9, 0.7), 1e-2: (0.1, 0.1)}  # gdn, per lr: seed 0, seed 1
     loss = {1e-3: (2.0, 2.2), 3e-3: (2.5, 2.5), 1e-2: (3.0, 3.2)}  # softmax
-    gdn = tiny_config("experiment=mqar", "attention=gdn", "trainer.seq_len=32", "data.vocab_size=64")
+    gdn = tiny_config("experiment=mqar", "mixer=gdn", "trainer.seq_len=32", "data.vocab_size=64")
     softmax = tiny_config()
 
     def at(config, lr, seed):
@@ -298,7 +285,7 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
         write_run(runs / f"variant_{seed}", at(other, 1e-3, seed), train_rows([10, 20 + 20 * seed], [3.0, 2.4]),
                   params={"total": 1, "active": 1})
     out = tmp_path / "report"
-    assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
+    assert compare_script.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
     md = (out / "compare.md").read_text()
     assert "| gdn-dense-d32 | mqar_acc | 0.003 | - | 0.8 | 0.7-0.9 | 2 | 0.001: 0.3, 0.003: 0.8, 0.01: 0.1 (0, 1) |" in md
     assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.001 | single value | 2.4 | 2.4-2.4 | 2 | 0.001: 2.4 (0, 1) |" in md
@@ -313,12 +300,12 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
     assert not (out / "best_trainer_lr" / "all_mqar_acc.png").exists()
     assert (out / "mqar_state.png").exists()
     with pytest.raises(SystemExit, match="has no trainer.nope"):
-        compare.main([str(runs), "--out", str(out), "--best-over", "trainer.nope"])
+        compare_script.main([str(runs), "--out", str(out), "--best-over", "trainer.nope"])
 
 
 def test_sweep_takes_overrides_after_its_options(capsys):
     """`--launcher python --jobs 2 key=a,b`: overrides may follow the options (argparse's intermixed parse)."""
-    assert sweep.main(["mixer=gdn", "--launcher", "python", "--jobs", "2", "seed=0,1", "--dry-run"]) == 0
+    assert sweep_script.main(["mixer=gdn", "--launcher", "python", "--jobs", "2", "seed=0,1", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "sweep of 2 job(s)" in out and "seed=1" in out
 
@@ -327,9 +314,9 @@ def test_compare_best_over_parametrization(tmp_path):
     """model.parametrization is an axis as trainer.lr is: a sweep expands it, and --best-over picks each
     architecture's best value (gdn: tied, by MQAR accuracy), the others staying in the table."""
     grid = sweep.expand_grid(["mixer=gdn", "model.parametrization=per_mixer,tied"])
-    assert [sweep.compose(g).model.parametrization for g in grid] == ["per_mixer", "tied"]
+    assert [compose(g).model.parametrization for g in grid] == ["per_mixer", "tied"]
     runs = tmp_path / "runs"
-    gdn = tiny_config("experiment=mqar", "attention=gdn", "trainer.seq_len=32", "data.vocab_size=64")
+    gdn = tiny_config("experiment=mqar", "mixer=gdn", "trainer.seq_len=32", "data.vocab_size=64")
     acc = {"per_mixer": (0.5, 0.7), "tied": (0.9, 0.8)}
     for name, seeds in acc.items():
         for seed, a in enumerate(seeds):
@@ -337,7 +324,7 @@ def test_compare_best_over_parametrization(tmp_path):
             rows = [{**r, "val/mqar_acc": a} for r in train_rows([10, 10], [1.0, 0.5])]
             write_run(runs / f"gdn_{name}_{seed}", config, rows, params={"total": 1, "active": 1})
     out = tmp_path / "report"
-    assert compare.main([str(runs), "--out", str(out), "--best-over", "model.parametrization"]) == 0
+    assert compare_script.main([str(runs), "--out", str(out), "--best-over", "model.parametrization"]) == 0
     md = (out / "compare.md").read_text()
     assert "| gdn-dense-d32 | mqar_acc | tied | - | 0.85 | 0.8-0.9 | 2 | per_mixer: 0.6, tied: 0.85 (0, 1) |" in md, md
     assert (out / "best_model_parametrization" / "gdn-dense-d32.png").stat().st_size > 1000
@@ -346,13 +333,21 @@ def test_compare_best_over_parametrization(tmp_path):
 # ---- compare: grid edges, budgets, FLOPs, eval suites --------------------------------------------------
 @pytest.fixture
 def plotted(monkeypatch):
-    """{PNG name: [(x data, y data) of each line of each axes]} of every figure saved (the files are still written)."""
+    """{PNG name: [(x data, y data) of each line of each axes]} of every figure saved (the files are still written);
+    .styles: {PNG name: {legend label: (colour, line style)}}."""
     from matplotlib.figure import Figure
 
-    saved, savefig = {}, Figure.savefig
+    class Plotted(dict):
+        styles: dict = {}
+
+    saved, savefig = Plotted(), Figure.savefig
+    saved.styles = {}
 
     def record(fig, path, **kw):
-        saved[Path(path).name] = [(list(line.get_xdata()), list(line.get_ydata())) for ax in fig.axes for line in ax.lines]
+        lines = [line for ax in fig.axes for line in ax.lines]
+        saved[Path(path).name] = [(list(line.get_xdata()), list(line.get_ydata())) for line in lines]
+        saved.styles[Path(path).name] = {line.get_label(): (line.get_color(), line.get_linestyle()) for line in lines
+                                         if not line.get_label().startswith("_")}
         return savefig(fig, path, **kw)
 
     monkeypatch.setattr(Figure, "savefig", record)
@@ -364,14 +359,14 @@ def at(config, lr, seed, **trainer):
 
 
 def test_grid_edge_values():
-    assert compare.grid_edge([5e-3, 1e-2, 2e-2], 2e-2) == ("high edge", [pytest.approx(4e-2)])
-    assert compare.grid_edge([5e-3, 1e-2, 2e-2], 5e-3) == ("low edge", [pytest.approx(2.5e-3)])
-    assert compare.grid_edge([5e-3, 1e-2, 2e-2], 1e-2) == (None, [])
-    assert compare.grid_edge([1e-3, 3e-3, 1e-2, 3e-2], 3e-2) == ("high edge", [pytest.approx(9e-2)])  # the ratio at that end
-    assert compare.grid_edge([3e-3], 3e-3) == ("single value", [1.5e-3, 6e-3])
-    assert compare.grid_edge([4, 8, 16], 16) == ("high edge", [32]) and compare.grid_edge([0, 10, 20], 0) == ("low edge", [-10])
-    assert compare.grid_edge(["per_mixer", "tied"], "tied") == (None, [])
-    assert compare.grid_edge(["tied"], "tied") == ("single value", [])
+    assert best.grid_edge([5e-3, 1e-2, 2e-2], 2e-2) == ("high edge", [pytest.approx(4e-2)])
+    assert best.grid_edge([5e-3, 1e-2, 2e-2], 5e-3) == ("low edge", [pytest.approx(2.5e-3)])
+    assert best.grid_edge([5e-3, 1e-2, 2e-2], 1e-2) == (None, [])
+    assert best.grid_edge([1e-3, 3e-3, 1e-2, 3e-2], 3e-2) == ("high edge", [pytest.approx(9e-2)])  # the ratio at that end
+    assert best.grid_edge([3e-3], 3e-3) == ("single value", [1.5e-3, 6e-3])
+    assert best.grid_edge([4, 8, 16], 16) == ("high edge", [32]) and best.grid_edge([0, 10, 20], 0) == ("low edge", [-10])
+    assert best.grid_edge(["per_mixer", "tied"], "tied") == (None, [])
+    assert best.grid_edge(["tied"], "tied") == ("single value", [])
 
 
 def test_compare_best_over_flags_the_grid_edge(tmp_path, capsys):
@@ -396,7 +391,7 @@ def test_compare_best_over_flags_the_grid_edge(tmp_path, capsys):
         write_run(runs / f"variant_{seed}", at(tiny_config(), 1e-2, seed, warmup_steps=7), train_rows([10, 10], [3.5, 2.4]),
                   params={"total": 1, "active": 1})
     out = tmp_path / "report"
-    assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
+    assert compare_script.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
     md = (out / "compare.md").read_text()
     assert "| softmax-dense-d32 | val_loss | 0.02 | high edge | 2.65 |" in md
     assert "| gdn-dense-d32 | val_loss | 0.005 | low edge | 2.55 |" in md
@@ -435,7 +430,7 @@ def test_compare_best_over_picks_on_the_seeds_every_value_ran(tmp_path):
         write_run(runs / f"{mixer}_{lr}_{seed}", at(tiny_config(f"mixer={mixer}"), lr, seed), train_rows([10, 10], [6.0, loss]),
                   params={"total": 1, "active": 1})
     out = tmp_path / "report"
-    assert compare.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
+    assert compare_script.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
     md = (out / "compare.md").read_text()
     assert "| gdn-dense-d32 | val_loss | 0.01 | - | 5.633 | 5.568-5.698 | 2 | 0.005: 5.604, 0.01: 5.568, 0.02: 5.609 (0) |" in md, md
     assert "| mamba2-dense-d32 | val_loss | 0.01 | - | 2 | 2-2 | 1 | 0.005: 3, 0.01: 2, 0.02: 2.5 (all) |" in md, md
@@ -466,57 +461,85 @@ def test_compare_best_over_tags_wandb_runs_on_the_edge(tmp_path, monkeypatch):
     runs = [FakeRun("lr1", 1e-3, 3.0, tags=["best-on-grid-edge"]), FakeRun("lr2", 2e-3, 2.5, tags=["keep"]),
             FakeRun("lr4", 4e-3, 2.0)]
     monkeypatch.setattr(wandb, "Api", lambda: type("A", (), {"runs": lambda self, path, filters: runs})())
-    assert compare.main(["--wandb", "e/p", "--out", str(tmp_path), "--best-over", "trainer.lr"]) == 0
+    assert compare_script.main(["--wandb", "e/p", "--out", str(tmp_path), "--best-over", "trainer.lr"]) == 0
     assert [(r.tags, r.updated) for r in runs] == [([], 1), (["keep"], 0), (["best-on-grid-edge"], 1)]
     runs[2].tags, runs[2].fail = [], True
-    result = compare.compare([], tmp_path, "e/p", "trainer.lr")
+    result = compare([], tmp_path, "e/p", "trainer.lr")
     assert "W&B tag best-on-grid-edge not added to lr4: permission denied" in result["notes"]
 
 
 def test_budget_line():
     steps = tiny_config()
     flops = [at(tiny_config(), 1e-2, 0, flops_budget=1e9, max_steps=s) for s in (50, 70)]
-    assert compare.budget_line(flops) == "equal FLOPs (trainer.flops_budget=1e+09)"
-    assert compare.budget_line([at(steps, 1e-2, 0, tokens_budget=2e6)] * 2) == "equal tokens (trainer.tokens_budget=2e+06)"
-    assert compare.budget_line([steps, at(steps, 3e-2, 1)]) == "equal steps (trainer.max_steps=120, tokens=30.7k)"  # 120 x 8 x 32
-    assert compare.budget_line([*flops, steps]) == ("mixed budgets: trainer.flops_budget=1e+09 (2 runs); "
+    assert summary.budget_line(flops) == "equal FLOPs (trainer.flops_budget=1e+09)"
+    assert summary.budget_line([at(steps, 1e-2, 0, tokens_budget=2e6)] * 2) == "equal tokens (trainer.tokens_budget=2e+06)"
+    assert summary.budget_line([steps, at(steps, 3e-2, 1)]) == "equal steps (trainer.max_steps=120, tokens=30.7k)"  # 120 x 8 x 32
+    assert summary.budget_line([*flops, steps]) == ("mixed budgets: trainer.flops_budget=1e+09 (2 runs); "
                                                    "trainer.max_steps=120, tokens=30.7k (1 run)")
-    assert compare.budget_line([steps, at(steps, 1e-2, 0, batch_size=4)]).startswith("mixed budgets: ")
+    assert summary.budget_line([steps, at(steps, 1e-2, 0, batch_size=4)]).startswith("mixed budgets: ")
 
 
 def test_compare_flops_axis_and_budget_sections(tmp_path, plotted):
     """train_flops = final tokens x run_info's train_flops_per_token; val_bpb_flops.png plots val bpb against tokens
-    seen x train_flops_per_token at each log, val_bpb_time.png against time/elapsed. Under --best-over, runs at two
-    FLOPs budgets are two architectures in two tables (max_steps, which a budget sets, does not split them)."""
+    seen x train_flops_per_token, val_bpb_time.png against time/elapsed. Under --best-over, runs at two FLOPs budgets
+    are two architectures in two tables (max_steps, which a budget sets, does not split them), and in the figures one
+    series: its end point at each budget (at that budget's best lr), the budgets' val curves drawn thin."""
     runs = tmp_path / "runs"
-    for budget, per_token in ((1e9, 1000.0), (2e9, 1000.0)):
+    for budget, per_token, better in ((1e9, 1000.0, 0.0), (2e9, 2000.0, 0.5)):
         for lr, steps in ((1e-2, 40), (2e-2, 40), (4e-2, 41)):
-            rows = [{**r, "val/bpb": r["val/loss"] / 2} for r in train_rows([10, 10], [3.0, 2.0 + 10 * abs(lr - 2e-2)])]
+            rows = [{**r, "val/bpb": r["val/loss"] / 2}
+                    for r in train_rows([10, 10], [3.0, 2.0 - better + 10 * abs(lr - 2e-2)])]
             folder = runs / f"{budget:g}_{lr}"
             write_run(folder, at(tiny_config(), lr, 0, flops_budget=budget, max_steps=steps), rows)
             (folder / "run_info.json").write_text(json.dumps({"params": {"total": 1, "active": 1},
                                                               "train_flops_per_token": per_token}))
     out = tmp_path / "report"
-    compare.compare([runs], out, best_over="trainer.lr")
+    compare([runs], out, best_over="trainer.lr")
     rows = list(csv.DictReader((out / "compare.csv").open()))
-    assert {float(r["train_flops"]) for r in rows} == {20 * 256 * 1000.0}  # tokens_seen of the last log x 1000
+    assert {float(r["train_flops"]) for r in rows} == {20 * 256 * 1000.0, 20 * 256 * 2000.0}  # last log's tokens x per token
     assert {r["budget"] for r in rows} == {"trainer.flops_budget=1e+09", "trainer.flops_budget=2e+09"}
-    (x, y), = plotted["val_bpb_flops.png"][:1]
-    assert x == [10 * 256 * 1000.0, 20 * 256 * 1000.0] and y == [1.5, pytest.approx(2.1 / 2)]  # lr 1e-2: loss 2.1
-    assert plotted["val_bpb_time.png"][0][0] == [7.0, 14.0] and len(plotted["val_bpb_flops.png"]) == 6
+    # each budget's val curve at its best lr (2e-2), then the series through their ends (bpb 1.0 at 1e9, 0.75 at 2e9)
+    assert plotted["val_bpb_flops.png"] == [([2.56e6, 5.12e6], [1.5, 1.0]), ([5.12e6, 10.24e6], [1.5, 0.75]),
+                                            ([5.12e6, 10.24e6], [1.0, 0.75])]
+    assert list(plotted.styles["val_bpb_flops.png"]) == ["softmax-dense-d32 (trainer.lr 0.02; 1 seed)"]
+    assert plotted["val_bpb_time.png"][0][0] == [7.0, 14.0]
     # a row's own flops_seen (train.py logs it) where it has one; the zero-FLOPs log is off the log axis
     rows = [{"step": 0, "tokens_seen": 0, "flops_seen": 0, "val/loss": 4.0},
             {"step": 10, "tokens_seen": 5, "flops_seen": 7.0, "val/loss": 3.0}, {"step": 20, "tokens_seen": 10, "val/loss": 2.0}]
-    assert compare.curve(compare.Run("r", "r", {}, rows), {"train_flops_per_token": 100.0}, "flops", "val/loss") == [
+    assert summary.curve(Run("r", "r", {}, rows), {"train_flops_per_token": 100.0}, "flops", "val/loss") == [
         (7.0, 3.0), (1000.0, 2.0)]
     md = (out / "compare.md").read_text()
     assert "Budget: mixed budgets: trainer.flops_budget=1e+09 (3 runs); trainer.flops_budget=2e+09 (3 runs)." in md
     assert "## Best trainer.lr per architecture, equal FLOPs (trainer.flops_budget=1e+09)" in md
     assert "## Best trainer.lr per architecture, equal FLOPs (trainer.flops_budget=2e+09)" in md
     assert md.count("| 0.02 | - |") == 2  # each budget's lr grid is one architecture, best inside
-    # best_trainer_lr/all_val_bpb_flops.png: one line per architecture (budget) at its best lr (2e-2: loss 2.0 at the end)
-    assert plotted["all_val_bpb_flops.png"] == [([10 * 256 * 1000.0, 20 * 256 * 1000.0], [1.5, 1.0])] * 2
-    assert (out / "best_trainer_lr" / "all_val_bpb_flops.png").exists()
+
+
+def test_every_figure_draws_an_architecture_in_its_colour(tmp_path, plotted):
+    """Without --best-over, one series per architecture: two seeds at one budget are one point, their mean (the band
+    spans them), two budgets two points of that series. One colour per mixer in every figure of the report; an
+    architecture of the same mixer with another option gets its colour and its own line style."""
+    runs = tmp_path / "runs"
+    for mixer, seed, steps, loss in (("gdn", 0, 10, 3.0), ("gdn", 1, 10, 2.0), ("gdn", 0, 20, 1.5), ("softmax", 0, 10, 2.8)):
+        write_run(runs / f"{mixer}_{steps}_{seed}", at(tiny_config(f"mixer={mixer}"), 1e-2, seed, max_steps=steps),
+                  train_rows([10, 10], [4.0, loss]) if steps == 10 else train_rows([10] * 4, [4.0, 3.0, 2.0, loss]),
+                  params={"total": 1, "active": 1})
+    write_run(runs / "gdn_warm", at(tiny_config("mixer=gdn"), 1e-2, 0, max_steps=10, warmup_steps=7),
+              train_rows([10, 10], [4.0, 2.6]), params={"total": 1, "active": 1})
+    for name in ("gdn_10_0", "softmax_10_0", "gdn_warm"):
+        (runs / name / "final" / "eval").mkdir()
+        (runs / name / "final" / "eval" / "eval.json").write_text(json.dumps(eval_report()))
+    compare([runs], tmp_path / "report")
+    gdn, softmax, warm = "gdn-dense-d32 (1-2 seeds)", "softmax-dense-d32 (1 seed)", "gdn-dense-d32 warmup_steps=7 (1 seed)"
+    curves = plotted.styles["val_loss_tokens.png"]
+    assert list(curves) == [gdn, warm, softmax]  # runs in folder order
+    # the gdn series: its two seeds' mean at 10 steps, then its 20-step run's end
+    assert ([10 * 2 * 256, 10 * 4 * 256], [2.5, 1.5]) in plotted["val_loss_tokens.png"]
+    assert curves[gdn][0] == curves[warm][0] != curves[softmax][0] and curves[gdn][1] != curves[warm][1]
+    for name, labels in (("length.png", ("gdn_10_0", "softmax_10_0")),
+                         ("decode.png", ("gdn_10_0", "softmax_10_0")), ("recall_state.png", ("gdn_10_0", "softmax_10_0"))):
+        colours = [plotted.styles[name][label][0] for label in labels]
+        assert colours == [curves[gdn][0], curves[softmax][0]], name
 
 
 def eval_report(seq_lens=(64, 128), bands=(2.0, 2.5), acc=((1.0, 0.5), (0.5, 0.0)), decode=(100.0, 50.0)) -> dict:
@@ -550,16 +573,16 @@ def test_compare_eval_suite_plots(tmp_path, plotted):
             (runs / name / "final" / "eval").mkdir()
             (runs / name / "final" / "eval" / "eval.json").write_text(json.dumps(reports[name]))
     out = tmp_path / "report"
-    compare.compare([runs], out)
+    compare([runs], out)
     md = (out / "compare.md").read_text()
     assert "| softmax_0 | 2 | 2.5 |" in md and "| gdn_0 | 2.2 | 3 |" in md and "| gdn_1 | 2.4 | 3.4 |" in md
     assert "| plain |" not in md.split("## Loss by length")[1]
     for name in ("length.png", "recall_state.png", "recall_throughput.png", "decode.png"):
         assert (out / name).stat().st_size > 1000, name
     curves = plotted["length.png"]
-    from training.suites import log_binned  # loss by position averaged in log-spaced bins of positions
+    from evaluation.suites.length import REPORT_BINS, log_binned  # loss by position averaged in log-spaced bins
 
-    assert len(curves) == 3 + 1 and curves[0] == log_binned([3.0 - i / 128 for i in range(128)])  # + the line at T=64
+    assert len(curves) == 3 + 1 and curves[0] == log_binned([3.0 - i / 128 for i in range(128)], REPORT_BINS)  # + the line at T=64
     assert curves[0][0][0] == 1.0 and curves[0][1][0] == 3.0
     # recall at the largest context that every run's recall and decode suites have (256: 512 was skipped)
     # (runs in folder order: gdn_0, gdn_1, softmax_0)
@@ -569,17 +592,17 @@ def test_compare_eval_suite_plots(tmp_path, plotted):
                                      *[([128, 256], [1000, 2000])] * 3]
     # gdn at its best lr (1e-2, the two seeds) averaged; softmax alone
     out = tmp_path / "best"
-    compare.compare([runs], out, best_over="trainer.lr")
+    compare([runs], out, best_over="trainer.lr")
     md = (out / "compare.md").read_text()
     assert "| gdn-dense-d32 | 2.3 | 3.2 |" in md and "| softmax-dense-d32 | 2 | 2.5 |" in md
     assert plotted["recall_throughput.png"] == [([230.0], [0.375]), ([50.0], [0.5])]
 
 
 def test_mqar_side_by_side_flags_the_lr_edge(tmp_path):
-    """mqar_side_by_side: ours best at the highest lr tried (5e-3, 1e-2: extend to 2e-2, ours only), the reference
+    """studies/mqar.py: ours best at the highest lr tried (5e-3, 1e-2: extend to 2e-2, ours only), the reference
     inside its lrs (not flagged); a mixer with one lr is flagged as a single value; the flags and the commands are in
     table.md."""
-    from scripts import mqar_side_by_side as side
+    from studies import mqar as side
 
     def runs(impl, mixer, accs):
         return [{"impl": impl, "mixer": mixer, "parametrization": "per_mixer" if impl == "ours" else "own", "d": 64,
@@ -592,15 +615,15 @@ def test_mqar_side_by_side_flags_the_lr_edge(tmp_path):
     softmax, gdn = rows  # in MIXERS order
     assert (gdn["ours"]["edge"], gdn["ours"]["beyond"]) == ("high edge", [pytest.approx(2e-2)])
     assert gdn["ref"]["edge"] is None and softmax["ours"]["edge"] == "single value"
-    side.write_table(rows, 500, tmp_path / "table.md", "python scripts/mqar_side_by_side.py --seeds 0,1 --out r")
+    side.write_table(rows, 500, tmp_path / "table.md", "python studies/mqar.py --seeds 0,1 --out r")
     table = (tmp_path / "table.md").read_text()
     assert ("| gdn | 64 | per_mixer | 0.850 (0.800-0.900) at 0.01 [high edge] | qwen3_next_gdn | "
             "0.700 (0.700-0.700) at 0.003 |") in table
     assert ("**Warning: gdn d 64, ours (per_mixer): best lr 0.01 is at the high edge of the grid (0.005, 0.01); extend it: "
-            "python scripts/mqar_side_by_side.py --seeds 0,1 --out r --mixers gdn --widths 64 --lrs 0.02 "
+            "python studies/mqar.py --seeds 0,1 --out r --mixers gdn --widths 64 --lrs 0.02 "
             "--parametrizations per_mixer --no-reference**") in table
     assert ("**Warning: softmax d 64, ours (per_mixer): best lr 0.001 is the only value swept (0.001); extend it: "
-            "python scripts/mqar_side_by_side.py --seeds 0,1 --out r --mixers softmax --widths 64 --softmax-lrs 0.0005,0.002 "
+            "python studies/mqar.py --seeds 0,1 --out r --mixers softmax --widths 64 --softmax-lrs 0.0005,0.002 "
             "--parametrizations per_mixer --no-reference**") in table
     assert table.count("**Warning") == 2
 
@@ -609,14 +632,16 @@ def test_runs_of_different_sweeps_with_one_name_are_told_apart(tmp_path):
     """Two sweeps' job 0_0 are named <sweep folder>/0_0; a name used once stays as it is."""
     for folder in ("b2_softmax/0_0", "b2_gdn/0_0", "b2_gdn/1_1"):
         write_run(tmp_path / folder, tiny_config(), train_rows([100.0], [5.0]))
-    runs, _ = compare.discover([tmp_path])
+    runs, _ = discover([tmp_path])
     assert sorted(r.name for r in runs) == ["1_1", "b2_gdn/0_0", "b2_softmax/0_0"]
 
 
 def test_an_mqar_run_is_a_recall_point():
     """An MQAR-trained run's recall block (accuracy over seq_len x num_kv_pairs, null where a cell cannot hold)
     gives the recall plots its accuracy at a seq_len: the mean over kv pairs."""
+    from evaluation.suites.recall import recall_acc_at, recall_grid
+
     report = {"recall": {"mqar": {"seq_lens": [64, 128], "num_kv_pairs": [2, 8], "acc": [[1.0, 0.5], [0.5, None]]}}}
-    assert compare.recall_grid(report) == ([64, 128], [[1.0, 0.5], [0.5]])
-    assert (compare.recall_acc_at(report, 64), compare.recall_acc_at(report, 128), compare.recall_acc_at(report, 256)) == (
+    assert recall_grid(report) == ([64, 128], [[1.0, 0.5], [0.5]])
+    assert (recall_acc_at(report, 64), recall_acc_at(report, 128), recall_acc_at(report, 256)) == (
         0.75, 0.5, None)

@@ -1,4 +1,4 @@
-"""Docs that cannot rot: every `python train.py ...`, `python eval.py ...`, `python scripts/...` and
+"""Docs that cannot rot: every `python train.py ...`, `python eval.py ...`, `python scripts/...`, `python studies/...` and
 `accelerate launch ...` command in README.md and docs/ is checked as it is written: Hydra commands
 compose (every sweep value, the config checks included), script commands parse with the script's own
 argument parser, and every repo file or config they name exists; so do the pages' relative links.
@@ -17,15 +17,16 @@ from conftest import ROOT
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"```(?:bash|sh|shell|console)?\n(.*?)```", re.S)
 INLINE = re.compile(r"`([^`\n]+)`")
-STARTS = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:time\s+)?(python3?\s+(?:-m\s+scripts\.\w+|eval\.py|train\.py|scripts/\S+\.py)"
+STARTS = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:time\s+)?(python3?\s+(?:-m\s+(?:scripts|studies)\.\w+|eval\.py|train\.py"
+                    r"|(?:scripts|studies)/\S+\.py)"
                     r"|accelerate\s+launch)\b")
-REPO_PATH = re.compile(r"^(?:configs|scripts|docs|tests|model|data|training|common)/[\w./-]*[\w/]$|^[\w-]+\.(?:py|yaml|sh|txt)$")
+REPO_PATH = re.compile(r"^(?:configs|scripts|studies|analysis|checks|docs|tests|model|data|training|common)/[\w./-]*[\w/]$|^[\w-]+\.(?:py|yaml|sh|txt)$")
 
 
 def commands(page: Path) -> list[str]:
     """The commands a page shows: code-block lines (with `\\` continuations joined, comments dropped,
-    `&&` chains split) and inline code spans that start like one. A synopsis (with "...") and a bare
-    `accelerate launch` in prose are not commands."""
+    `&&` chains split) and inline code spans that start like one. A synopsis (with "..."), a bare
+    `accelerate launch` in prose and a chain after `git checkout <commit>` are not commands."""
     text = page.read_text()
     lines = []
     for block in FENCE.findall(text):
@@ -33,6 +34,8 @@ def commands(page: Path) -> list[str]:
     lines += INLINE.findall(FENCE.sub("", text))
     found = []
     for line in lines:
+        if line.strip().startswith("git checkout"):  # a command of another commit: that commit's files
+            continue
         for part in line.split("&&"):
             part = re.sub(r"\s+#.*$", "", part.strip())
             if STARTS.match(part) and "..." not in part and part != "accelerate launch":
@@ -79,7 +82,7 @@ def check_train(args: list[str]) -> None:
     from hydra import compose
     from omegaconf import OmegaConf, open_dict
 
-    from scripts.sweep import expand_grid, split_values
+    from analysis.sweep import expand_grid, split_values
     from training.config import check_group_overrides
     from training.validation import check_train_config
 
@@ -186,6 +189,7 @@ def test_every_documented_command_composes(page, command, monkeypatch, hydra_con
     ("python scripts/bench.py nosuchsuite", "nosuchsuite"),
     ("accelerate launch --config_file configs/accelerate/nope.yaml train.py", "configs/accelerate/nope.yaml does not exist"),
     ("python scripts/nope.py", "scripts/nope.py does not exist"),
+    ("python studies/mqar.py --mixers", "the parser refused it"),
 ])
 def test_the_check_catches_a_broken_command(bad, why, monkeypatch, hydra_configs):
     with pytest.raises(BaseException) as e:

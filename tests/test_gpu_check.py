@@ -1,4 +1,4 @@
-"""scripts/gpu_check.py without a GPU: both stages' CPU parts pass and say what needs CUDA; a check that
+"""scripts/gpu_check.py (checks/) without a GPU: both stages' CPU parts pass and say what needs CUDA; a check that
 raises, mismatches or overruns its deadline is reported without hiding the others, and the exit status
 and JSON say so; the deadlines fit each stage's budget; the kernel cases use the head shapes training
 hands fla; the CUDA checks' code runs on CPU tensors; a time-bounded train.py run is stopped and read."""
@@ -11,11 +11,10 @@ import time
 import pytest
 import torch
 
-from conftest import TINY
+from checks import fla_cases, kernels, model as model_checks, run as run_checks, stage as checks_stage, train as train_checks
+from conftest import ROOT, TINY
 from scripts import gpu_check
 from training import perf
-
-ROOT = gpu_check.ROOT
 
 
 def run_stage(stage: str, tmp_path, *args) -> tuple[subprocess.CompletedProcess, dict]:
@@ -45,7 +44,7 @@ def test_train_stage_plans_every_mixer_on_cpu(tmp_path, monkeypatch, capsys):
     assert gpu_check.main(["--stage", "train", "--json", str(tmp_path / "t.json")]) == 0
     out, result = capsys.readouterr().out, json.loads((tmp_path / "t.json").read_text())
     assert "gpu_check stage train: budget 5 min 00 s" in out and "data, train need a CUDA GPU" in out
-    assert sorted(result["plan"]) == sorted(gpu_check.MIXERS)
+    assert sorted(result["plan"]) == sorted(checks_stage.MIXERS)
     for mixer, plan in result["plan"].items():  # model=125m: ~85M non-embedding parameters + 4096 x 768 embeddings
         assert 80e6 < plan["parameters"] < 130e6 and plan["forward_flops_per_token"] > 2 * plan["parameters"] * 0.6, mixer
 
@@ -56,17 +55,17 @@ def test_a_failing_check_hides_neither_the_others_nor_the_summary(tmp_path, monk
 
     def cases(stage):
         stage.case("raises", lambda: 1 / 0)
-        stage.case("mismatches", lambda: [gpu_check.mismatch("x", torch.ones(2), torch.zeros(2) + 2, 1e-3)])
+        stage.case("mismatches", lambda: [checks_stage.mismatch("x", torch.ones(2), torch.zeros(2) + 2, 1e-3)])
         stage.case("passes", lambda: [None])
 
     def overruns(stage):
         stage.case("quick", lambda: [])
         time.sleep(30)  # interrupted by the deadline
 
-    checks = [gpu_check.Check("setup", raises_in_setup, 5, needs_cuda=False), gpu_check.Check("cases", cases, 5, needs_cuda=False),
-              gpu_check.Check("slow", overruns, 0.3, needs_cuda=False), gpu_check.Check("after", cases, 5, needs_cuda=False),
-              gpu_check.Check("gpu", cases, 5)]
-    monkeypatch.setitem(gpu_check.STAGES, "kernels", (60, checks))
+    checks = [checks_stage.Check("setup", raises_in_setup, 5, needs_cuda=False), checks_stage.Check("cases", cases, 5, needs_cuda=False),
+              checks_stage.Check("slow", overruns, 0.3, needs_cuda=False), checks_stage.Check("after", cases, 5, needs_cuda=False),
+              checks_stage.Check("gpu", cases, 5)]
+    monkeypatch.setitem(run_checks.STAGES, "kernels", (60, checks))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     t0 = time.perf_counter()
     assert gpu_check.main(["--stage", "kernels", "--json", str(tmp_path / "k.json")]) == 1
@@ -85,12 +84,12 @@ def test_a_failing_check_hides_neither_the_others_nor_the_summary(tmp_path, monk
     assert out.splitlines()[-1] == "6 mismatch(es)"
 
 
-@pytest.mark.parametrize("stage", gpu_check.STAGES)
+@pytest.mark.parametrize("stage", run_checks.STAGES)
 def test_deadlines_fit_the_stage_budget(stage):
     """The budget holds by construction: start-up plus every check's deadline."""
-    budget, checks = gpu_check.STAGES[stage]
+    budget, checks = run_checks.STAGES[stage]
     assert budget == {"kernels": 240, "train": 300}[stage]
-    assert gpu_check.SETUP_S + sum(c.deadline_s for c in checks) <= budget
+    assert run_checks.SETUP_S + sum(c.deadline_s for c in checks) <= budget
 
 
 @pytest.mark.slow
@@ -121,9 +120,9 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
     positions = torch.cat([torch.arange(20), torch.arange(12)])[None]
     with torch.no_grad():
         for mixer in ("gdn", "derived_gdn", "linear", "mamba2"):
-            layer = MIXERS.get(mixer)(gpu_check.training_model_config(mixer), 0)
+            layer = MIXERS.get(mixer)(checks_stage.training_model_config(mixer), 0)
             layer(torch.randn(1, 32, layer_width(layer)), segments=DocumentSegments(positions))
-    cases = {name: inputs for name, _, inputs, *_ in gpu_check.kernel_cases()}
+    cases = {name: inputs for name, _, inputs, *_ in kernels.kernel_cases()}
     q = lambda name: cases[name]["q"]  # noqa: E731
     assert seen["gdn"] == (q("gdn chunk packed bf16").shape[2], q("gdn chunk packed bf16").shape[3],
                            cases["gdn chunk packed bf16"]["v"].shape[3])
@@ -144,9 +143,9 @@ def layer_width(layer) -> int:
 def test_cuda_checks_run_on_cpu_tensors():
     """moe, dsa and flex on CPU tensors: every case runs and agrees; the only problems are that the CUDA
     kernels they assert (torch._grouped_mm, FlexAttention) did not run."""
-    stage = gpu_check.Stage("kernels", 600, cuda=True, device="cpu")
-    checks = {"moe": gpu_check.check_moe, "dsa": lambda s: gpu_check.check_dsa(s, T=40, topk=8), "flex": gpu_check.check_flex}
-    stage.run([gpu_check.Check(name, fn, 300) for name, fn in checks.items()])
+    stage = checks_stage.Stage("kernels", 600, cuda=True, device="cpu")
+    checks = {"moe": kernels.check_moe, "dsa": lambda s: kernels.check_dsa(s, T=40, topk=8), "flex": model_checks.check_flex}
+    stage.run([checks_stage.Check(name, fn, 300) for name, fn in checks.items()])
     assert [(r["check"], r["case"]) for r in stage.rows] == [
         ("moe", "bf16 autocast takes torch._grouped_mm"), ("moe", "grouped mm vs CPU loop, fwd + bwd"),
         ("dsa", "1 KV heads"), ("dsa", "2 KV heads"), ("dsa", "4 KV heads"), ("flex", "float32"), ("flex", "bfloat16")]
@@ -157,24 +156,24 @@ def test_cuda_checks_run_on_cpu_tensors():
 def test_summarize_run():
     row = lambda step, loss, tok=1000.0, mfu=0.3: {"step": step, "train/loss": loss, "perf/tokens_per_sec": tok,  # noqa: E731
                                                    "perf/mfu": mfu, "perf/peak_mem_gb": 10.0 + step}
-    result, problems = gpu_check.summarize_run([row(5, 8.3, tok=10.0), row(10, 7.0, 900.0), row(15, 6.5, 1100.0), {"step": 15, "val/loss": 6}])
-    assert problems == [] and result["tokens_per_sec"] == 1100.0 and result["peak_mem_gb"] == 25.0
+    result, problems = train_checks.summarize_run([row(5, 8.3, tok=10.0), row(10, 7.0, 900.0), row(15, 6.5, 1100.0), {"step": 15, "val/loss": 6}])
+    assert problems == [] and result["tokens_per_sec"] == 1000.0  # the median of the windows after the first and result["peak_mem_gb"] == 25.0
     assert (result["loss_first"], result["loss_last"], result["windows"], result["steps"]) == (8.3, 6.5, 3, 15)
-    assert gpu_check.summarize_run([row(5, 8.3), row(10, 8.4)])[1] == ["train loss did not fall (8.300 -> 8.400)"]
-    assert gpu_check.summarize_run([row(5, 8.3), row(10, 7.0, mfu=1.2)])[1][0].startswith("MFU 1.20 > 1")
-    assert gpu_check.summarize_run([row(5, 8.3)])[1] == [f"only 1 log window(s) of {gpu_check.LOG_EVERY} steps in the time given"]
+    assert train_checks.summarize_run([row(5, 8.3), row(10, 8.4)])[1] == ["train loss did not fall (8.300 -> 8.400)"]
+    assert train_checks.summarize_run([row(5, 8.3), row(10, 7.0, mfu=1.2)])[1][0].startswith("MFU 1.20 > 1")
+    assert train_checks.summarize_run([row(5, 8.3)])[1] == [f"only 1 log window(s) of {train_checks.LOG_EVERY} steps in the time given"]
 
 
 @pytest.mark.slow
 def test_train_check_stops_a_run_at_its_slot_and_reads_it(monkeypatch, data_cache):
     """check_train on CPU with the tiny config: train.py runs past its share of the deadline, is stopped
     (SIGTERM), and its log windows are read."""
-    monkeypatch.setattr(gpu_check, "train_overrides", lambda mixer, run_dir: [
+    monkeypatch.setattr(train_checks, "train_overrides", lambda mixer, run_dir: [
         *TINY, f"mixer={mixer}", "trainer.max_steps=100000", "trainer.eval_every=100000", "trainer.ckpt_every=100000",
         "trainer.sample_tokens=0", f"run_dir={run_dir}"])
-    stage = gpu_check.Stage("train", 24, cuda=True, mixers=["softmax"], device="cpu")
+    stage = checks_stage.Stage("train", 24, cuda=True, mixers=["softmax"], device="cpu")
     t0 = time.perf_counter()
-    stage.run([gpu_check.Check("train", gpu_check.check_train, 22)])
+    stage.run([checks_stage.Check("train", train_checks.check_train, 22)])
     assert time.perf_counter() - t0 < 22
     (row,) = stage.rows
     assert row["ok"], row["problems"]
@@ -183,37 +182,37 @@ def test_train_check_stops_a_run_at_its_slot_and_reads_it(monkeypatch, data_cach
 
 def test_mismatch_within_and_beyond_tolerance():
     want = torch.tensor([[1.0, -2.0], [0.5, 4.0]])
-    assert gpu_check.mismatch("x", want.clone(), want, 1e-3) is None
-    assert gpu_check.mismatch("x", want + 3e-3, want, 1e-3) is None  # 3e-3 <= 1e-3 * max |want| = 4e-3
-    line = gpu_check.mismatch("gdn o", want + 1e-2, want, 1e-3)
+    assert checks_stage.mismatch("x", want.clone(), want, 1e-3) is None
+    assert checks_stage.mismatch("x", want + 3e-3, want, 1e-3) is None  # 3e-3 <= 1e-3 * max |want| = 4e-3
+    line = checks_stage.mismatch("gdn o", want + 1e-2, want, 1e-3)
     assert line.startswith("MISMATCH gdn o:") and "0.01" in line and "tolerance 0.001" in line
 
 
 def test_mismatch_shape_nonfinite_and_zero_reference():
     want = torch.zeros(3)
-    assert "shape (2,), expected (3,)" in gpu_check.mismatch("s", torch.zeros(2), want, 1e-3)
-    assert "1 non-finite" in gpu_check.mismatch("n", torch.tensor([0.0, float("nan"), 0.0]), want, 1e-3)
-    assert gpu_check.mismatch("z", torch.zeros(3), want, 1e-3) is None
-    assert "inf of max |want| = 0" in gpu_check.mismatch("z", torch.tensor([0.0, 1e-6, 0.0]), want, 1e-3)
-    assert gpu_check.scalar_mismatch("loss", 6.01, 6.0, 1e-2) is None
-    assert gpu_check.scalar_mismatch("loss", 6.1, 6.0, 1e-2).startswith("MISMATCH loss:")
+    assert "shape (2,), expected (3,)" in checks_stage.mismatch("s", torch.zeros(2), want, 1e-3)
+    assert "1 non-finite" in checks_stage.mismatch("n", torch.tensor([0.0, float("nan"), 0.0]), want, 1e-3)
+    assert checks_stage.mismatch("z", torch.zeros(3), want, 1e-3) is None
+    assert "inf of max |want| = 0" in checks_stage.mismatch("z", torch.tensor([0.0, 1e-6, 0.0]), want, 1e-3)
+    assert checks_stage.scalar_mismatch("loss", 6.01, 6.0, 1e-2) is None
+    assert checks_stage.scalar_mismatch("loss", 6.1, 6.0, 1e-2).startswith("MISMATCH loss:")
 
 
 def test_norm_mismatch_tolerates_a_few_values_off():
     want = torch.ones(100)
     few = want.clone()
     few[:2] = 1.3  # two values 30% off: ||diff|| / ||want|| = 0.042
-    assert gpu_check.norm_mismatch("l", few, want, 5e-2) is None
-    assert gpu_check.mismatch("l", few, want, 5e-2) is not None
-    assert "is 0.1 of ||want||" in gpu_check.norm_mismatch("l", want * 1.1, want, 5e-2)
+    assert checks_stage.norm_mismatch("l", few, want, 5e-2) is None
+    assert checks_stage.mismatch("l", few, want, 5e-2) is not None
+    assert "is 0.1 of ||want||" in checks_stage.norm_mismatch("l", want * 1.1, want, 5e-2)
 
 
 def test_counting_counts_calls_and_restores():
     import model.ops.ssd as ssd
 
     original = ssd.mamba_state_step
-    with gpu_check.counting("model.ops.ssd", "mamba_state_step") as calls:
-        x = gpu_check.ssd_inputs(T=1, P=2, N=3)
+    with checks_stage.counting("model.ops.ssd", "mamba_state_step") as calls:
+        x = fla_cases.ssd_inputs(T=1, P=2, N=3)
         ssd.mamba_state_step(x["x"][:, 0], x["dt"][:, 0], x["A"], x["B"][:, 0], x["C"][:, 0], x["initial_states"])
     assert calls == [1] and ssd.mamba_state_step is original
 
@@ -223,21 +222,21 @@ def quiet_cpu_peak(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(perf, "_cpu_peak_memo", {})
     monkeypatch.setattr(perf, "measure_cpu_peak", lambda: (100e9, 0.0))
-    monkeypatch.setattr(gpu_check, "cpu_contention_warning", lambda: None)
+    monkeypatch.setattr(kernels, "cpu_contention_warning", lambda: None)
 
 
 def test_cpu_check_catches_a_wrong_path(quiet_cpu_peak, monkeypatch):
-    stage = gpu_check.Stage("kernels", 60, cuda=False)
-    stage.run([gpu_check.KERNEL_CHECKS[0]])
+    stage = checks_stage.Stage("kernels", 60, cuda=False)
+    stage.run([model_checks.KERNEL_CHECKS[0]])
     assert stage.problems() == [] and len(stage.rows) == 3
-    right = gpu_check.op_gdn_recurrent
+    right = kernels.op_gdn_recurrent
 
     def off_by_a_little(**inputs):
         out = right(**inputs)
         return {**out, "o": out["o"] * 1.01}
 
-    monkeypatch.setattr(gpu_check, "op_gdn_recurrent", off_by_a_little)
-    stage = gpu_check.Stage("kernels", 60, cuda=False)
-    stage.run([gpu_check.KERNEL_CHECKS[0]])
+    monkeypatch.setattr(kernels, "op_gdn_recurrent", off_by_a_little)
+    stage = checks_stage.Stage("kernels", 60, cuda=False)
+    stage.run([model_checks.KERNEL_CHECKS[0]])
     lines = stage.problems()
     assert len(lines) == 1 and lines[0].startswith("MISMATCH cpu gdn chunk vs recurrent o:")

@@ -462,9 +462,10 @@ def test_hash_without_token_ids_is_one_line():
 
 
 def test_compare_shows_the_router_and_its_metrics():
-    """scripts/compare.py's row of a MoE run: the router in the ffn column and the routing metrics
+    """scripts/compare.py's row of a MoE run (analysis.summary): the router in the ffn column and the routing metrics
     the comparison table needs, from the last log that has them."""
-    from scripts import compare
+    from analysis.runs import Run
+    from analysis.summary import summarize_run
 
     rows = [{"step": 10, "moe/imbalance": 1.3, "moe/dead_experts": 1.0, "moe/unrouted_frac": 0.2,
              "moe/token_choice_overlap": 0.7},
@@ -472,11 +473,11 @@ def test_compare_shows_the_router_and_its_metrics():
              "moe/dead_experts": 0.0, "moe/unrouted_frac": 0.1, "moe/token_choice_overlap": 0.8}]
     config = {"mixer": {"name": "softmax"}, "ffn": {"name": "moe", "options": {"router": "expert_choice"}},
               "model": {"hidden_size": 32}}
-    s = compare.summarize_run(compare.Run("ec", "here", config, rows, params={"total": 1, "active": 1}))
+    s = summarize_run(Run("ec", "here", config, rows, params={"total": 1, "active": 1}))
     assert (s["ffn"], s["val_bpb"], s["val_bpb_batch_routing"]) == ("moe:expert_choice", 1.5, 1.4)
     assert (s["moe_imbalance"], s["moe_dead_experts"], s["moe_unrouted_frac"], s["moe_token_choice_overlap"]) == (1.0, 0.0, 0.1, 0.8)
     config["ffn"]["options"]["router"] = "topk"
-    assert compare.summarize_run(compare.Run("tk", "here", config, rows, params={"total": 1, "active": 1}))["ffn"] == "moe"
+    assert summarize_run(Run("tk", "here", config, rows, params={"total": 1, "active": 1}))["ffn"] == "moe"
 
 
 def test_sweep_stops_in_one_line_at_a_job_whose_router_rejects_an_option(capsys):

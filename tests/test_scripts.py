@@ -1,5 +1,5 @@
-"""Smoke runs of the scripts behind the README's figures, at tiny sizes: scripts/linearize.py (both
-parts), scripts/dsa_extend.py (every stage from a tiny softmax run), scripts/mqar_side_by_side.py, and
+"""Smoke runs of the scripts behind the README's figures, at tiny sizes: studies/linearize_error.py (both
+parts), studies/linearize.py, studies/dsa.py (every stage from a tiny softmax run), studies/mqar.py, and
 every suite of scripts/bench.py. Each must finish and report what it promises, with the numbers that
 must hold whatever the speed (speed itself is never checked here). The benchmark suites run their
 --quick shapes with each timed call made once (their repeats only sharpen the timings); the data and
@@ -36,25 +36,25 @@ def test_linearize_both_parts(tmp_path, softmax_run, monkeypatch):
     """Part (a) on 1 x 64-token inputs: every error finite and growing with the logit scale; part (b) on
     the tiny softmax run, with that run itself as a "student": every core's per-layer error finite and
     above 0, the teacher's own layers exactly 0."""
-    from scripts import linearize
+    from studies import linearize_error
 
-    make_qkv = linearize.make_qkv
-    monkeypatch.setattr(linearize, "make_qkv", lambda kind: make_qkv(kind, B=1, T=64, H=2, d=16))
-    monkeypatch.setattr(sys, "argv", ["linearize.py", "--out", str(tmp_path), "--teacher", str(softmax_run),
+    make_qkv = linearize_error.make_qkv
+    monkeypatch.setattr(linearize_error, "make_qkv", lambda kind: make_qkv(kind, B=1, T=64, H=2, d=16))
+    monkeypatch.setattr(sys, "argv", ["linearize_error.py", "--out", str(tmp_path), "--teacher", str(softmax_run),
                                       "--students", str(softmax_run), "--sequences", "4", "--batch-size", "2"])
-    linearize.main()
+    linearize_error.main()
     report = (tmp_path / "report.md").read_text()
     approx, layers = report.split("## Per-layer error on the teacher's activations")
     rows = table_rows(approx)[1:]
     assert [(r[0], float(r[1])) for r in rows] == [(k, s) for k in ("random", "clustered", "drifting")
-                                                   for s in linearize.SCALES]
+                                                   for s in linearize_error.SCALES]
     for kind in range(3):  # a first-order expansion: each method's error grows with the logit scale
         errors = torch.tensor([[float(c) for c in r[2:]] for r in rows[6 * kind: 6 * kind + 6]])
         assert torch.isfinite(errors).all() and (errors.diff(dim=0) > 0).all(), rows
     assert (tmp_path / "approximation_error.png").stat().st_size > 0
     logit_std, *rows = table_rows(layers)[1:]
     assert logit_std[0].startswith("(the teacher's attention logits") and all(0 < float(c) < 100 for c in logit_std[1:])
-    assert [r[0] for r in rows] == [f"{name}, zero-shot" for name, _, _ in linearize.ZERO_SHOT] + ["run, trained"]
+    assert [r[0] for r in rows] == [f"{name}, zero-shot" for name, _, _ in linearize_error.ZERO_SHOT] + ["run, trained"]
     assert all(0 < float(c) < 10 for r in rows[:-1] for c in r[1:]), rows
     assert rows[-1][1:] == ["0"] * 3, rows  # 2 layers and their mean
     assert (tmp_path / "layer_errors.png").stat().st_size > 0
@@ -64,16 +64,16 @@ def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch)
     """The tiny softmax run linearized into derived GDN at two lrs (2 steps: transfer 1, distill 1) beside derived
     GDN from scratch for 2 steps: the table's row holds the teacher's val bpb gap, the zero-shot score of step 0
     (the same at both lrs: nothing trained yet), a best lr flagged as the grid's edge, and the curves plot. The
-    script runs in this process (its train.py runs in their own), as `python scripts/linearize_study.py ...`."""
-    from scripts import linearize_study
+    script runs in this process (its train.py runs in their own), as `python studies/linearize.py ...`."""
+    from studies import linearize
 
     overrides = [o for o in TINY_MODEL if o != "logger=none"] + ["trainer.seq_len=64", "trainer.batch_size=4",
                                                                    "trainer.warmup_steps=1", "trainer.eval_batches=2"]
     monkeypatch.setenv("SWAPLM_CACHE", str(data_cache))
-    monkeypatch.setattr(sys, "argv", ["scripts/linearize_study.py", "--teacher", str(softmax_run), "--out", str(tmp_path),
+    monkeypatch.setattr(sys, "argv", ["studies/linearize.py", "--teacher", str(softmax_run), "--out", str(tmp_path),
                                       "--students", "derived_gdn", "--seeds", "0", "--lrs", "1e-3,3e-3", "--steps", "2",
                                       "--split", "1/1", "--teacher-tokens", "none", "--", *overrides])
-    linearize_study.main()
+    linearize.main()
     stdout = capsys.readouterr().out
     assert "running 3" in stdout and "FAILED" not in stdout, stdout[-3000:]
     (row,) = [r for r in table_rows((tmp_path / "table.md").read_text()) if r[0] == "derived_gdn"][:1]
@@ -85,10 +85,10 @@ def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch)
     assert all(math.isfinite(float(c.split()[0])) for c in row[2:8]), row
     assert (tmp_path / "curves.png").stat().st_size > 0
     # --report with a seed not run: nothing starts, and the row says how many seeds it holds
-    monkeypatch.setattr(sys, "argv", ["scripts/linearize_study.py", "--teacher", str(softmax_run), "--out", str(tmp_path),
+    monkeypatch.setattr(sys, "argv", ["studies/linearize.py", "--teacher", str(softmax_run), "--out", str(tmp_path),
                                       "--students", "derived_gdn", "--seeds", "0,1", "--lrs", "1e-3,3e-3", "--steps", "2",
                                       "--split", "1/1", "--report", "--", *overrides])
-    linearize_study.main()
+    linearize.main()
     stdout = capsys.readouterr().out
     assert "running" not in stdout, stdout[-3000:]
     assert not list(tmp_path.glob("*_s1*"))
@@ -96,21 +96,22 @@ def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch)
     assert row[5].endswith("[1 of 2 seeds]"), row
 
 
-def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache, capfd, monkeypatch):
+def test_dsa_study_every_stage(tmp_path, softmax_run, data_cache, monkeypatch):
     """From the tiny softmax run: the four train.py stages at seq_len 128 (DSA's default top-k 64 is
     below it), init_from loading every matching weight (the indexer new), and the summary: the stages
     whose attention is dense (softmax, DSA with an untrained or a warmed-up indexer) have one val loss,
     since the LM loss does not depend on the indexer there. The script runs in this process (its
-    train.py stages in their own, writing to this process's stdout), as `python scripts/dsa_extend.py ...`."""
-    from scripts import dsa_extend
+    train.py stages in their own, each writing its console to <out>/<stage>.log), as `python studies/dsa.py ...`."""
+    from studies import dsa
 
     overrides = [*TINY_MODEL, "trainer.seq_len=128", "trainer.max_steps=2", "trainer.warmup_steps=1",
                  "trainer.eval_every=2", "trainer.ckpt_every=2", "trainer.eval_batches=1"]
     monkeypatch.setenv("SWAPLM_CACHE", str(data_cache))
-    monkeypatch.setattr(sys, "argv", ["scripts/dsa_extend.py", "--softmax-run", str(softmax_run), "--out", str(tmp_path),
+    monkeypatch.setattr(sys, "argv", ["studies/dsa.py", "--softmax-run", str(softmax_run), "--out", str(tmp_path),
                                       "--", *overrides])
-    dsa_extend.main()
-    stdout = capfd.readouterr().out
+    dsa.main()
+    stdout = "".join((tmp_path / f"{stage}.log").read_text()  # each stage's console
+                     for stage in ("softmax_long_context", "dsa_untrained_indexer", "1_warmup", "2_sparse"))
     loaded = re.findall(r"init_from \S+: loaded (\d+) tensors; new: (.*?); unused: none; shape mismatch: none",
                         stdout)
     assert len(loaded) == 4 and loaded[0][1] == "none" and all(".indexer." in new for _, new in loaded[1:3])
@@ -121,17 +122,17 @@ def test_dsa_extend_every_stage(tmp_path, softmax_run, data_cache, capfd, monkey
     assert [r[4] for r in rows[:2]] == ["-", "-"] and all(0 < float(r[4]) <= 1 for r in rows[2:])
 
 
-def test_mqar_side_by_side(tmp_path, capsys, monkeypatch):
+def test_mqar_study(tmp_path, capsys, monkeypatch):
     """gdn beside transformers' Qwen3-Next GDN layers, each in its own process: both runs land in runs.jsonl
     with their curves, the table has the row and its ratio, the plots are written, and a rerun trains
     nothing. The reference ran on transformers' torch ops: fla's Triton kernels, which it binds to when fla
     is installed, raise on a CPU without the interpreter. Bad input, and linear's reference without fla,
     are one-line errors."""
-    from scripts import mqar_side_by_side
+    from studies import mqar
 
     args = ["--mixers", "gdn", "--widths", "32", "--seeds", "0", "--lrs", "1e-2", "--steps", "2", "--eval-every", "1",
             "--jobs", "2", "--out", str(tmp_path)]
-    assert mqar_side_by_side.main(args) == 0
+    assert mqar.main(args) == 0
     runs = [json.loads(line) for line in (tmp_path / "runs.jsonl").read_text().splitlines()]
     assert sorted(r["impl"] for r in runs) == ["ours", "qwen3_next_gdn"]
     for r in runs:
@@ -143,23 +144,23 @@ def test_mqar_side_by_side(tmp_path, capsys, monkeypatch):
     for name in ("curves.png", "mqar_state.png", "mqar_width.png"):
         assert (tmp_path / name).stat().st_size > 1000
     capsys.readouterr()
-    assert mqar_side_by_side.main(args) == 0
+    assert mqar.main(args) == 0
     assert "2 runs, 2 already in" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="unknown --mixers 'gnd'; valid: softmax, gdn"):
-        mqar_side_by_side.main(["--mixers", "gnd"])
-    monkeypatch.setattr(mqar_side_by_side.importlib.util, "find_spec", lambda name: None)
+        mqar.main(["--mixers", "gnd"])
+    monkeypatch.setattr(mqar.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(SystemExit, match="linear's reference is fla's .* pip install -r requirements-test.txt"):
-        mqar_side_by_side.main(["--mixers", "linear", "--out", str(tmp_path)])
+        mqar.main(["--mixers", "linear", "--out", str(tmp_path)])
 
 
-def test_mqar_side_by_side_linear_beside_fla(tmp_path):
+def test_mqar_study_linear_beside_fla(tmp_path):
     """linear beside fla's LinearAttention model in worker processes: fla's model calls Triton kernels (its
     linear attention, output norm and SwiGLU) that raise on a CPU without the interpreter, so the reference's
     run landing in runs.jsonl shows every one of them was swapped for torch."""
     pytest.importorskip("fla")
-    from scripts import mqar_side_by_side
+    from studies import mqar
 
-    assert mqar_side_by_side.main(["--mixers", "linear", "--widths", "32", "--seeds", "0", "--lrs", "1e-2",
+    assert mqar.main(["--mixers", "linear", "--widths", "32", "--seeds", "0", "--lrs", "1e-2",
                                    "--steps", "2", "--eval-every", "1", "--jobs", "2", "--out", str(tmp_path)]) == 0
     runs = {r["impl"]: r for r in map(json.loads, (tmp_path / "runs.jsonl").read_text().splitlines())}
     assert set(runs) == {"ours", "fla_linear_attn"} and runs["fla_linear_attn"]["parametrization"] == "own"

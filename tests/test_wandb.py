@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, TINY, run_train
-from scripts import compare
-from scripts.sweep import compose
+from analysis.report import compare
+from analysis.wandb_runs import wandb_records
+from training.jobs import compose
 from training.tracking import architecture, run_tags, schedule_tag
 
 HYBRID_24 = "[" + ",".join(["softmax", "gdn", "gdn", "gdn"] * 6) + "]"
@@ -22,7 +23,7 @@ def offline_run(folder: Path) -> dict:
     """What an offline W&B run folder holds: the run record, metric definitions, the last summary
     values, history keys, and the files written under files/."""
     out = {"metrics": {}, "summary": {}, "history_keys": set(), "history": []}
-    for record in compare.wandb_records(next(folder.glob("run-*.wandb"))):
+    for record in wandb_records(next(folder.glob("run-*.wandb"))):
         kind = record.WhichOneof("record_type")
         if kind == "run":
             out["run"] = record.run
@@ -131,7 +132,7 @@ def test_sweep_is_one_group_and_eval_lands_in_the_run(tmp_path, data_cache, caps
         for f in (r / "wandb").glob("offline-run-*"):
             (offline_only / r.name).mkdir(parents=True, exist_ok=True)
             os.symlink(f, offline_only / r.name / f.name)
-    result = compare.compare([offline_only], tmp_path / "report")
+    result = compare([offline_only], tmp_path / "report")
     summaries = result["summaries"]
     assert len(summaries) == 4 and {s["group"] for s in summaries} == {group}
     assert summaries[0]["eval/val/loss"] == pytest.approx(scores["val/loss"])

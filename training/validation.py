@@ -73,7 +73,7 @@ TRAIN_RULES = {
     "trainer.max_steps": positive(nullable=True),  # null: set by a budget (training/budget.py)
     "trainer.flops_budget": Rule(float, above=0, nullable=True),
     "trainer.tokens_budget": Rule(float, above=0, nullable=True),
-    "trainer.lr": Rule(float, at_least=0),  # 0: evaluate without training (scripts/dsa_extend.py's references)
+    "trainer.lr": Rule(float, at_least=0),  # 0: evaluate without training (studies/dsa.py's references)
     "trainer.min_lr_ratio": Rule(float, at_least=0, at_most=1),
     "trainer.warmup_steps": count(),
     "trainer.schedule": Rule(str, choices=("cosine", "wsd", "constant")),
@@ -143,15 +143,16 @@ EVAL_RULES = {
 }
 
 
-def leaves(config, prefix: str = "") -> dict:
-    """{dotted key: value} of every scalar in a nested config; list elements are keyed <key>[<i>]."""
+def leaves(config, prefix: str = "", lists: bool = True) -> dict:
+    """{dotted key: value} of every scalar in a nested config; list elements are keyed <key>[<i>] (with
+    lists=False a list is one value, as an override gives it: model.mixer=[gdn,softmax])."""
     if isinstance(config, dict):
         items = [(f"{prefix}.{k}" if prefix else str(k), v) for k, v in config.items()]
-    elif isinstance(config, list):
+    elif isinstance(config, list) and lists:
         items = [(f"{prefix}[{i}]", v) for i, v in enumerate(config)]
     else:
         return {prefix: config}
-    return {key: value for k, v in items for key, value in leaves(v, k).items()}
+    return {key: value for k, v in items for key, value in leaves(v, k, lists).items()}
 
 
 def rule_for(key: str, rules: dict) -> Rule | None:

@@ -9,12 +9,16 @@ A suite is a class in its own file here, decorated `@SUITES.register("<name>")`,
     run(ctx: EvalContext, opts) -> dict  its block of eval.json
     scores(block) -> {key: float}        its flat scores, named <name>/...: eval.json's scores, W&B, compare.py
     plot(block, title, folder) -> [Path] its PNGs of one model, written into folder
-    compare(points, out, style)          (optional) its tables and figures across runs in compare.py's report:
-                                         -> (PNG paths, markdown lines, notes)
+    compare(points, out, style)          its tables and figures across runs in compare.py's report, over
+                                         EvalPoints (each an architecture at its best value or a run, with the
+                                         eval.json of each run it stands for), drawn in the report's style
+                                         (common/plots.py SeriesStyle): -> (PNG paths, markdown lines, notes)
 
 eval.py, its config check and compare.py read this registry: a new suite is one file and nothing else."""
 import importlib
 import pkgutil
+import statistics
+from dataclasses import dataclass
 
 from common.registry import Registry
 
@@ -34,7 +38,24 @@ class Suite:
     def plot(self, block: dict, title: str, folder) -> list:
         return []
 
-    compare = None  # (points, out, style) -> (paths, markdown lines, notes), where the suite has a comparison
+    def compare(self, points: list["EvalPoint"], out, style) -> tuple[list, list[str], list[str]]:
+        return [], [], []
+
+
+@dataclass
+class EvalPoint:
+    label: str
+    mixer: str
+    reports: list[dict]  # eval.json of each run it stands for (each seed of an architecture at its best value)
+    over: str | None = None  # the key whose best value it stands at (None: a run)
+
+    def blocks(self, suite: str) -> list[dict]:
+        return [r[suite] for r in self.reports if isinstance(r.get(suite), dict)]
+
+
+def mean(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.mean(values) if values else None
 
 
 def suite_options_node() -> dict:

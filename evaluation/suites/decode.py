@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from common.plots import pyplot, save_figure
+from common.plots import legend_outside, pyplot, save_figure
 from evaluation.context import first_line, positions_up_to
-from evaluation.suites import SUITES, Suite
+from evaluation.suites import SUITES, EvalPoint, Suite, mean
 from model.options import option
 
 
@@ -145,6 +145,11 @@ def plot_decode(report: dict, title: str, path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def decode_rows(report: dict) -> dict:
+    """The decode suite's measured rows by context (skipped contexts left out)."""
+    return {r["context"]: r for r in (report.get("decode") or {}).get("rows", []) if "skipped" not in r and "context" in r}
+
+
 @SUITES.register("decode")
 class Decode(Suite):
     Options = DecodeOptions
@@ -167,3 +172,25 @@ class Decode(Suite):
 
     def plot(self, block: dict, title: str, folder: Path) -> list[Path]:
         return [plot_decode(block, title, Path(folder) / "decode.png")]
+
+    def compare(self, points: list[EvalPoint], out: Path, style) -> tuple[list[Path], list[str], list[str]]:
+        """decode.png: decode tokens/s and decode-cache bytes against the context, one line per point."""
+        decoded = [p for p in points if p.blocks("decode")]
+        if not decoded:
+            return [], [], []
+        fig, axes = pyplot().subplots(1, 2, figsize=(11, 4.2), gridspec_kw={"wspace": 0.3})
+        for p in decoded:
+            by_context = [decode_rows(r) for r in p.reports if r.get("decode")]
+            contexts = sorted({c for rows in by_context for c in rows})
+            for ax, field_name in zip(axes, ("decode_tokens_per_sec", "cache_bytes")):
+                values = [mean(rows[c].get(field_name) for rows in by_context if c in rows) for c in contexts]
+                pts = [(c, v) for c, v in zip(contexts, values) if v is not None]
+                if pts:
+                    ax.plot(*zip(*pts), ms=4, label=p.label, **style(p.label))
+        for ax, ylabel in zip(axes, ("decode tokens/s", "decode-cache bytes per sequence")):
+            ax.set_xscale("log", base=2)
+            ax.set(xlabel="context (tokens)", ylabel=ylabel)
+            ax.grid(alpha=0.3)
+        axes[1].set_yscale("log")
+        legend_outside(axes[1])
+        return [save_figure(fig, out / "decode.png")], [], []

@@ -1,6 +1,7 @@
 """The length suite: the val loss by position at the training length T and at multiples of it, and its
 mean per band of positions (band "1x": positions 1..T; band "kx", k >= 2: ((k/2) T, k T]), so that
 "kx minus 1x" says how the model extrapolates past the length it trained at."""
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,10 +13,11 @@ import torch.nn.functional as F
 from common.plots import legend_outside, pyplot, save_figure
 from data.types import Split
 from evaluation.context import first_line, positions_up_to, too_long
-from evaluation.suites import SUITES, Suite
+from evaluation.suites import SUITES, EvalPoint, Suite, mean
 from model.options import option
 
 FACTORS = (1, 2, 4, 8, 16, 32)
+REPORT_BINS = 16  # log-spaced bins of positions in compare.py's length.png: fewer than one model's plot, so that ten curves read
 
 
 @dataclass
@@ -141,6 +143,29 @@ def loss_by_length(lm, val_at, train_seq_len: int, factors: list[int], sequences
     return report
 
 
+def length_table(points: list[EvalPoint]) -> str | None:
+    """The length suite's loss per band (1x, 2x, ... the training length), mean over a point's reports."""
+    rows = [(p, p.blocks("length")) for p in points if p.blocks("length")]
+    bands = sorted({b for _, blocks in rows for block in blocks for b in block.get("bands", {})},
+                   key=lambda b: float(b.rstrip("x")))
+    if not bands:
+        return None
+    lines = [f"| {'architecture' if rows[0][0].over else 'run'} | " + " | ".join(bands) + " |", "|---" * (len(bands) + 1) + "|"]
+    for p, blocks in rows:
+        cells = [mean(block.get("bands", {}).get(b) for block in blocks) for b in bands]
+        lines.append(f"| {p.label} | " + " | ".join("-" if c is None else f"{c:.4g}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def length_curve(blocks: list[dict]) -> tuple[int, list[float]] | None:
+    """(the longest length evaluated, mean loss per position there over the blocks that have it)."""
+    lengths = [int(k) for b in blocks for k in b.get("per_position", {})]
+    if not lengths:
+        return None
+    curves = [b["per_position"][str(max(lengths))] for b in blocks if str(max(lengths)) in b.get("per_position", {})]
+    return max(lengths), [statistics.mean(losses) for losses in zip(*curves)]
+
+
 @SUITES.register("length")
 class Length(Suite):
     Options = LengthOptions
@@ -158,3 +183,34 @@ class Length(Suite):
             return []
         curves = {f"L = {length}": block["per_position"][str(length)] for length in block["seq_lens"]}
         return [plot_loss_by_position(curves, block["train_seq_len"], title, Path(folder) / "length_loss.png")]
+
+    def compare(self, points: list[EvalPoint], out: Path, style) -> tuple[list[Path], list[str], list[str]]:
+        """length.png (loss by position at the longest length evaluated, in REPORT_BINS log-spaced bins, the training
+        length marked and the positions past it shaded) and compare.md's table "Loss by length"."""
+        md, written = [], []
+        table = length_table(points)
+        if table:
+            over = next(p.over for p in points)
+            md = ["## Loss by length (eval.py's length suite)", "", table, "",
+                  "loss (nats/token) in each length band of eval.py's length suite, in multiples of the training length"
+                  + (f"; mean over seeds at the best {over}" if over else "") + ".", ""]
+        curves = [(p, curve) for p in points if (curve := length_curve(p.blocks("length")))]
+        if curves:
+            fig, ax = pyplot().subplots(figsize=(7, 4.5))
+            lengths = {length for _, (length, _) in curves}
+            for p, (length, losses) in curves:
+                look = style(p.label)
+                ax.plot(*log_binned(losses, REPORT_BINS), lw=1.2, color=look["color"], linestyle=look["linestyle"],
+                        label=p.label if len(lengths) == 1 else f"{p.label} (length {length})")
+            trained = sorted({b["train_seq_len"] for p, _ in curves for b in p.blocks("length") if b.get("train_seq_len")})
+            for t in trained:
+                ax.axvline(t, color="gray", ls="--", lw=1, label=f"training length {t}")
+            if trained:
+                ax.axvspan(trained[0], max(length for _, (length, _) in curves), color="gray", alpha=0.08, lw=0)
+            ax.set_xscale("log")
+            ax.set(xlabel="position" + (f" (in sequences of {lengths.pop()} tokens)" if len(lengths) == 1 else ""),
+                   ylabel="loss (nats/token)")
+            ax.grid(alpha=0.3)
+            legend_outside(ax)
+            written.append(save_figure(fig, out / "length.png"))
+        return written, md, []

@@ -9,10 +9,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.plots import pyplot, save_figure
+from common.plots import legend_outside, pyplot, save_figure
 from data.types import Split
 from evaluation.context import first_line, positions_up_to, too_long
-from evaluation.suites import SUITES, Suite
+from evaluation.suites import SUITES, EvalPoint, Suite, mean
+from evaluation.suites.decode import decode_rows
 from model.options import option
 
 NEEDLE_KEY = 'passkey = "'  # the needle is NEEDLE_KEY + key + '"', the query NEEDLE_KEY
@@ -161,6 +162,29 @@ def plot_recall(report: dict, title: str, path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def recall_grid(report: dict) -> tuple[list, list]:
+    """The recall suite's contexts and its accuracy row at each: passkey (a row over depths) or, for an
+    MQAR-trained run, MQAR (seq_len as the context, a row over num_kv_pairs, null where a cell cannot hold)."""
+    recall = report.get("recall") or {}
+    grid = recall.get("mqar", recall)
+    contexts = grid.get("contexts", grid.get("seq_lens", []))
+    rows = [[a for a in row if a is not None] for row in grid.get("acc", [])]
+    return contexts, rows
+
+
+def recall_acc_at(report: dict, context) -> float | None:
+    """Recall accuracy at one context of the recall suite, the mean over its row (depths, or MQAR's kv pairs)."""
+    contexts, rows = recall_grid(report)
+    return mean(rows[contexts.index(context)]) if context in contexts and len(rows) == len(contexts) else None
+
+
+def common_context(reports: list[dict], contexts_of) -> int | None:
+    """The largest context every report has (contexts_of(report): its contexts)."""
+    sets = [set(contexts_of(r)) for r in reports]
+    common = set.intersection(*sets) if sets else set()
+    return max(common) if common else None
+
+
 @SUITES.register("recall")
 class Recall(Suite):
     Options = RecallOptions
@@ -190,3 +214,37 @@ class Recall(Suite):
         if not block.get("contexts", True):  # a passkey grid with every context skipped has nothing to draw
             return []
         return [plot_recall(block, title, Path(folder) / "recall_heatmap.png")]
+
+    def compare(self, points: list[EvalPoint], out: Path, style) -> tuple[list[Path], list[str], list[str]]:
+        """recall_state.png (recall accuracy against decode-cache bytes at the largest context every point's recall and
+        decode suites share, as zoology) and recall_throughput.png (recall/acc or recall/mqar_acc against decode tokens/s
+        at the largest context every point decoded, as Based); a note for a plot with no context in common."""
+        written, notes = [], []
+        both = [p for p in points if p.blocks("recall") and p.blocks("decode")]
+        reports = [r for p in both for r in p.reports if r.get("recall") and r.get("decode")]
+        state_at = common_context(reports, lambda r: set(recall_grid(r)[0]) & set(decode_rows(r)))
+        speed_at = common_context(reports, lambda r: decode_rows(r))
+        for name, context, x_of, y_of, xlabel, ylabel in (
+                ("recall_state.png", state_at, lambda r, c: decode_rows(r)[c].get("cache_bytes"), recall_acc_at,
+                 "decode-cache bytes per sequence", "recall accuracy (mean over depths)"),
+                ("recall_throughput.png", speed_at, lambda r, c: decode_rows(r)[c].get("decode_tokens_per_sec"),
+                 lambda r, c: next((v for k in ("recall/acc", "recall/mqar_acc") if (v := (r.get("scores") or {}).get(k)) is not None), None),
+                 "decode tokens/s", "recall accuracy (recall/acc or recall/mqar_acc)")):
+            if context is None:
+                if both:
+                    notes.append(f"{name}: no context that every run's recall and decode suites share")
+                continue
+            fig, ax = pyplot().subplots(figsize=(6.5, 4.5))
+            for p in both:
+                measured = [r for r in p.reports if r.get("recall") and r.get("decode")]
+                x, y = mean(x_of(r, context) for r in measured), mean(y_of(r, context) for r in measured)
+                if x is not None and y is not None:
+                    ax.plot(x, y, ms=7, label=p.label, **{**style(p.label), "linestyle": "none"})
+            ax.set_xscale("log")
+            ax.set_xlabel(f"{xlabel} at context {context}")
+            ax.set_ylabel(f"{ylabel} at context {context}" if name == "recall_state.png" else ylabel)
+            ax.set_ylim(-0.02, 1.02)
+            ax.grid(alpha=0.3)
+            legend_outside(ax)
+            written.append(save_figure(fig, out / name))
+        return written, [], notes

@@ -261,22 +261,17 @@ def run(quick: bool) -> str:
 
 
 def plot(lengths: list[int], curves: dict) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from common.plots import legend_outside, pyplot, save_figure
 
     path = ROOT / "outputs" / "bench" / "dsa_scaling.png"
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(5, 3.5))
+    fig, ax = pyplot().subplots(figsize=(5, 3.5))
     for name, ys in curves.items():
         ax.plot(lengths, [1e3 * y for y in ys], marker="o", label=name)
     ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="fwd+bwd CPU ms (1 thread)",
            title=f"attention core, B={B} H={H} D={D}, top-k {TOPK}")
     ax.minorticks_off()
     ax.set_xticks(lengths, [str(t) for t in lengths])
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    legend_outside(ax)
+    save_figure(fig, path)
     return str(path.relative_to(ROOT))

@@ -10,13 +10,13 @@ volume per token for larger configs).
 """
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
 from scripts.benchmarks.common import ROOT, markdown_table
+from training.metrics import median_after_first
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
 
@@ -29,11 +29,6 @@ def train(run_dir: Path, steps: int, *overrides: str) -> list[dict]:
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-
-
-def median_after_first(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if key in r]
-    return statistics.median(values[1:] or values)
 
 
 def run(quick: bool) -> str:

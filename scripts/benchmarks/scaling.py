@@ -43,23 +43,18 @@ def cpu_seconds_one_thread(step, iters: int) -> float:
 
 
 def plot(results: dict, lengths: list[int], path: Path) -> None:
-    import matplotlib
+    from common.plots import legend_outside, pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = pyplot().subplots(figsize=(6, 4))
     for name, times in results.items():
         ax.plot(lengths[: len(times)], [t * 1e6 for t in times], marker="o", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("sequence length T (tokens per batch fixed)")
     ax.set_ylabel("fwd+bwd microseconds per token")
     ax.set_title("2-layer d=256 model, per-token training cost")
-    ax.legend()
-    fig.tight_layout()
+    legend_outside(ax)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def run(quick: bool) -> str:

@@ -13,12 +13,12 @@ model/ops/gated_delta.py derived_gated_delta_rule) approximate softmax attention
     ||y - y_teacher|| / ||y_teacher|| against the teacher's attention output, for VaLA (a quadratic-time
     reference core defined here), the `linear` mixer (elu+1, normalised) and derived GDN (exact and clamped),
     each zero-shot over the teacher's projections, and for each --students run as trained (a linearize run,
-    e.g. one that ran only its transfer stage: training/linearize.py logs the same error while it trains).
+    e.g. one that ran only its transfer stage: training/objectives/linearize.py logs the same error while it trains).
     Writes layer_errors.md and a PNG. Linearizing the whole model (val loss zero-shot and after each stage) is
     train.py's: python train.py experiment=linearize init_from=<softmax run> (docs/linearize.md).
 
-    python scripts/linearize.py                              # part (a) only, outputs/linearize/
-    python scripts/linearize.py --teacher outputs/<softmax run> --students outputs/<linearize run> ...
+    python studies/linearize_error.py                        # part (a) only, outputs/linearize/
+    python studies/linearize_error.py --teacher outputs/<softmax run> --students outputs/<linearize run> ...
 """
 import argparse
 import copy
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from common.plots import legend_outside, pyplot, save_figure
 from model import DecoderLM
 from model.layers import AuxCollector
 from model.mixers.softmax import SoftmaxAttention
@@ -118,13 +119,9 @@ def approximation_table(out: Path) -> str:
 
 
 def plot(errors: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    fig, axes = plt.subplots(1, len(errors), figsize=(4.5 * len(errors), 3.6), sharey=True)
+    fig, axes = pyplot().subplots(1, len(errors), figsize=(4.5 * len(errors), 3.6), sharey=True)
     for ax, (kind, per_method) in zip(axes, errors.items()):
         for name, errs in per_method.items():
             ax.plot(SCALES, [min(e, 1e3) for e in errs], marker="o", label=name)
@@ -133,10 +130,8 @@ def plot(errors: dict, path: Path) -> None:
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("||o - o_softmax|| / ||o_softmax|| (capped at 1e3)")
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    legend_outside(axes[-1])
+    save_figure(fig, path)
 
 
 # (b) per-layer error on a trained teacher's own activations -----------------------------------------
@@ -186,13 +181,12 @@ def val_batches(teacher_dir: Path, sequences: int, batch_size: int) -> list[dict
 
 
 @torch.no_grad()
-@torch.no_grad()
 def layer_errors(teacher: DecoderLM, models: dict[str, DecoderLM], batches: list[dict]) -> tuple[dict, list[float]]:
     """({name: per layer ||y - y_teacher|| / ||y_teacher||}, per layer the std of the teacher's attention logits
     q.k / sqrt(d) over the pairs it attends): each model's mixer of layer i run on the teacher's own input to its
-    layer-i attention, against the teacher's attention output (training/linearize.py's transfer error), over all
+    layer-i attention, against the teacher's attention output (training/objectives/linearize.py's transfer error), over all
     the batches. The logit std is part (a)'s logit scale s for unit-variance q and k."""
-    from training.linearize import mixer_io
+    from training.objectives.linearize import mixer_io
 
     L = teacher.config.num_hidden_layers
     sq_err = {name: torch.zeros(L, dtype=torch.float64) for name in models}
@@ -248,14 +242,9 @@ def layer_error_table(args) -> tuple[str, dict[str, list[float]]]:
 
 
 def plot_layer_errors(table: dict[str, list[float]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     L = len(next(iter(table.values())))
     width = 0.8 / len(table)
-    fig, ax = plt.subplots(figsize=(1.6 * L + 4, 3.8))
+    fig, ax = pyplot().subplots(figsize=(1.6 * L + 4, 3.8))
     for j, (name, errs) in enumerate(table.items()):
         capped = [1e3 if not math.isfinite(e) else min(e, 1e3) for e in errs]  # a diverged recursion (nan) at the cap
         ax.bar([i + (j - (len(table) - 1) / 2) * width for i in range(L)], capped, width, label=name)
@@ -263,10 +252,8 @@ def plot_layer_errors(table: dict[str, list[float]], path: Path) -> None:
            ylabel="||y - y_teacher|| / ||y_teacher||\n(capped at 1e3; nan drawn there)",
            title="each mixer on the teacher's own attention input")
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1, 0.5))
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    legend_outside(ax)
+    save_figure(fig, path)
 
 
 def main() -> None:

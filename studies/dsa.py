@@ -1,22 +1,21 @@
-"""The DSA workflow end to end: softmax pretrain at a short context -> DSA indexer warm-up at a
-longer one -> sparse training, then a table of val loss and top-k attention recall per stage.
+"""The DSA workflow end to end (docs/studies/dsa.md): softmax pretrain at a short context -> DSA indexer warm-up
+at a longer one -> sparse training, then a table of val loss and top-k attention recall per stage.
 
-    python scripts/dsa_extend.py                                   # all three stages, CPU-sized
-    python scripts/dsa_extend.py --softmax-run outputs/<run>       # start from an existing softmax run
-    python scripts/dsa_extend.py -- logger=none model=small        # extra overrides for every stage
+    python studies/dsa.py                                   # all three stages, CPU-sized
+    python studies/dsa.py --softmax-run outputs/<run>       # start from an existing softmax run
+    python studies/dsa.py -- logger=none model=small        # extra overrides for every stage
 
-Each stage is a plain `train.py` run (configs/experiment/dsa_warmup.yaml, dsa_sparse.yaml) under
---out; the summary is printed and written to <out>/summary.md.
+Each stage is a plain `train.py` run (configs/experiment/dsa_warmup.yaml, dsa_sparse.yaml) under --out, run by
+analysis.runner (its console in <out>/<stage>.log); a failed stage stops the study. The summary is printed and
+written to <out>/summary.md.
 """
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
 
+from analysis.runner import ROOT, log_path, run_jobs
 from training.metrics import read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def final_val(run_dir: Path) -> dict:
@@ -31,13 +30,13 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides applied to every stage (the stage's own come after)")
     args = parser.parse_args()
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
 
     def train(run: str, *overrides: str) -> Path:
-        run_dir = out / run
-        cmd = [sys.executable, str(ROOT / "train.py"), f"run_dir={run_dir}", "trainer.sample_tokens=0", *args.overrides, *overrides]
-        print("$", " ".join(cmd), flush=True)
-        subprocess.run(cmd, cwd=ROOT, check=True)
-        return run_dir
+        job = {"name": run, "run_dir": str(out / run), "overrides": ["trainer.sample_tokens=0", *args.overrides, *overrides]}
+        if run_jobs([job])[0]["status"] != "ok":
+            sys.exit(f"error: stage {run} failed; its console: {log_path(job)}")
+        return out / run
 
     softmax = Path(args.softmax_run) if args.softmax_run else train(
         "0_softmax", "mixer=softmax", f"trainer.max_steps={args.pretrain_steps}")

@@ -4,7 +4,7 @@ tokens as the whole linearization, and for as many as the teacher. Every run is 
 --out; one whose final/ exists is not run again (rerun the command to continue a study; --report writes the
 tables of the runs finished so far and starts none).
 
-    python scripts/linearize_study.py --teacher outputs/<softmax run> --out outputs/linearize_study \\
+    python studies/linearize.py --teacher outputs/<softmax run> --out outputs/linearize_study \\
         --students derived_gdn,gdn,linear,hybrid --seeds 0,1 --lrs 3e-4,1e-3,3e-3 --jobs 2
 
 Runs: for each student, experiment=linearize (its stage budgets, or --steps and --split) at every --lrs value,
@@ -20,22 +20,21 @@ the lr and split tables, and curves.png (val bpb against training tokens).
 """
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from analysis.best import best_value
+from analysis.runner import ROOT, finished, run_jobs
+from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
+from training.jobs import compose
 from training.metrics import read_metrics
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # student name -> the train.py overrides that make it (gdn: value heads as wide as the teacher's, so that its
 # v and o projections load); the hybrid keeps softmax in layer 1, the layer whose attention derived GDN fits worst
-# zero-shot (scripts/linearize.py --teacher, docs/studies/linearize.md)
+# zero-shot (studies/linearize_error.py --teacher, docs/studies/linearize.md)
 STUDENTS = {
     "derived_gdn": ["mixer=derived_gdn"],
     "gdn": ["mixer=gdn", "mixer.options.expand_v=1"],
@@ -51,8 +50,6 @@ def run_dir(out: Path, kind: str, student: str, seed: int, lr: float, extra: str
 
 def default_lr(student: str, extra: list[str]) -> float:
     """trainer.lr of the student's train.py config: its mixer's tuned lr for the optimizer."""
-    from scripts.sweep import compose
-
     return float(compose([*STUDENTS[student], *extra]).trainer.lr)
 
 
@@ -61,38 +58,13 @@ def val_curve(run: Path) -> dict[int, float]:
     return {r["step"]: r["val/bpb"] for r in read_metrics(run) if "val/bpb" in r}
 
 
-def log_path(run: Path) -> Path:
-    return run.parent / f"{run.name}.log"
-
-
-def finished(run: Path) -> bool:
-    return (run / "final" / "config.json").exists()
-
-
 def launch(jobs: list[tuple[Path, list[str]]], parallel: int) -> None:
-    """Run the train.py jobs not finished yet, `parallel` at once (each on cpu_count / parallel threads), each
-    logging to <run dir>.log; a failed job is reported and the others go on."""
-    todo = [(d, o) for d, o in jobs if not finished(d)]
+    """The train.py jobs not finished yet through analysis.runner, `parallel` at once; an interrupted one (its
+    folder exists) is continued (resume=auto)."""
+    todo = [{"name": d.name, "run_dir": str(d), "overrides": o + ["resume=auto"] * d.exists()}
+            for d, o in jobs if not finished(d)]
     print(f"{len(jobs) - len(todo)} of {len(jobs)} runs done; running {len(todo)}, {parallel} at once", flush=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // parallel))}
-    running = []
-    while todo or running:
-        while todo and len(running) < parallel:
-            folder, overrides = todo.pop(0)
-            if folder.exists():  # an interrupted run: continue it
-                overrides = overrides + ["resume=auto"]
-            log = open(log_path(folder), "a")
-            cmd = [sys.executable, str(ROOT / "train.py"), *overrides, f"run_dir={folder}"]
-            running.append((folder, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env),
-                            time.time(), log))
-        for item in list(running):
-            folder, proc, t0, log = item
-            if proc.poll() is not None:
-                running.remove(item)
-                log.close()
-                status = "ok" if proc.returncode == 0 else f"FAILED ({log_path(folder)})"
-                print(f"  {folder.name}: {status} in {time.time() - t0:.0f}s", flush=True)
-        time.sleep(0.5)
+    run_jobs(todo, parallel=parallel)
 
 
 def spread(values: list[float], seeds: int = 1) -> str:
@@ -104,16 +76,13 @@ def spread(values: list[float], seeds: int = 1) -> str:
     return shown + (f" [{len(values)} of {seeds} seeds]" if len(values) < seeds else "")
 
 
-def best_lr(out: Path, student: str, lrs: list[float], seeds: list[int]) -> tuple[float | None, bool]:
-    """The lr whose linearized students end with the lowest mean val bpb over `seeds` (those finished; None if
-    none did), and whether it is an end of the grid (then it is not known to be a best)."""
-    means = {}
-    for lr in lrs:
-        ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
-        if ends:
-            means[lr] = statistics.mean(ends)
-    best = min(means, key=means.get, default=None)
-    return best, len(lrs) > 1 and best in (min(lrs), max(lrs))
+def best_lr(out: Path, kind: str, student: str, lrs: list[float], seeds: list[int]) -> tuple[float | None, bool]:
+    """The lr whose finished `kind` runs (lin, scratch<steps>) of the student end with the lowest mean val bpb over
+    `seeds` (analysis.best.best_value; None if none finished), and whether it is at the low or high edge of the
+    grid (then it is not known to be a best)."""
+    ends = {lr: [(s, end_bpb(d)) for s in seeds if finished(d := run_dir(out, kind, student, s, lr))] for lr in lrs}
+    best = best_value({lr: runs for lr, runs in ends.items() if runs}, higher_is_better=False)
+    return (None, False) if best is None else (best.value, best.edge in ("low edge", "high edge"))
 
 
 def end_bpb(run: Path) -> float:
@@ -122,12 +91,8 @@ def end_bpb(run: Path) -> float:
 
 
 def best_scratch_lr(out: Path, student: str, lrs: list, seeds: list[int], steps: int):
-    """The from-scratch lr with the lowest mean val bpb at the end."""
-    def mean_end(lr):
-        ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, lr))]
-        return statistics.mean(ends) if ends else float("inf")
-
-    return min(lrs, key=mean_end)
+    """The from-scratch lr with the lowest mean val bpb at the end (the first of the grid before any finished)."""
+    return best_lr(out, f"scratch{steps}", student, lrs, seeds)[0] or lrs[0]
 
 
 def stage_scores(run: Path, transfer: int, distill: int) -> dict[str, float | None]:
@@ -189,11 +154,11 @@ def main() -> None:
         launch([scratch(st, seeds[0], default_lr(st, args.extra), teacher_steps) for st in long_students]
                + [linearized(st, seeds[0], lr) for st in students for lr in lrs]
                + [scratch(st, seeds[0], lr, steps) for st in students for lr in scratch_lrs[st]], args.jobs)
-        launch([linearized(st, s, best_lr(out, st, lrs, seeds[:1])[0]) for st in students for s in seeds[1:]]
+        launch([linearized(st, s, best_lr(out, "lin", st, lrs, seeds[:1])[0]) for st in students for s in seeds[1:]]
                + [scratch(st, s, best_scratch_lr(out, st, scratch_lrs[st], seeds[:1], steps), steps)
                   for st in students for s in seeds[1:]], args.jobs)
         if splits:  # at the first student's best lr, which the runs above found
-            lr, _ = best_lr(out, students[0], lrs, seeds[:1])
+            lr, _ = best_lr(out, "lin", students[0], lrs, seeds[:1])
             launch([linearized(students[0], seeds[0], lr, t, d, f"_split{t}-{d}") for t, d in splits], args.jobs)
 
     report = report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transfer, distill, teacher_steps,
@@ -215,27 +180,27 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
              f"scratch, {steps} steps (lr) | scratch, {teacher_steps} steps (seed {seeds[0]}) |", "|---" * 9 + "|"]
     lr_rows = []
     for student in students:
-        lr, edge = best_lr(out, student, lrs, seeds[:1])  # chosen on the grid's seed
+        lr, edge = best_lr(out, "lin", student, lrs, seeds[:1])  # chosen on the grid's seed
         if lr is None:
             continue
         runs = [d for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
         scores = [stage_scores(d, transfer, distill) for d in runs]
         col = {k: spread([sc[k] for sc in scores if sc[k] is not None], len(seeds)) for k in scores[0]}
         gap = spread([sc["end"] - teacher_bpb for sc in scores], len(seeds))
-        scratch_lr = best_scratch_lr(out, student, scratch_lrs[student], seeds[:1], steps)
+        scratch_lr, scratch_at_edge = best_lr(out, f"scratch{steps}", student, scratch_lrs[student], seeds[:1])
+        scratch_lr = scratch_lr or scratch_lrs[student][0]
         equal = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, scratch_lr))]
         long = [end_bpb(d) for d in [run_dir(out, f"scratch{teacher_steps}", student, seeds[0], default_lr(student, extra))]
                 if finished(d)]
         shown_lr = f"{lr:g}" + (" (edge of grid)" if edge else "")
-        grid = scratch_lrs[student]
-        scratch_edge = " (edge of grid)" if len(grid) > 1 and scratch_lr in (min(grid), max(grid)) else ""
+        scratch_edge = " (edge of grid)" if scratch_at_edge else ""
         lines.append(f"| {student} | {shown_lr} | {col['zero-shot']} | {col['after transfer']} | {col['after distill']} | "
                      f"{col['end']} | {gap} | {spread(equal, len(seeds))} ({scratch_lr:g}{scratch_edge}) | {spread(long)} |")
         for x in lrs:
             ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, x))]
             lr_rows.append(f"| {student} | {x:g} | {spread(ends)} |")
     lines += ["", "Linearization at each lr (val bpb at the end):", "", "| student | lr | val bpb |", "|---|---|---|", *lr_rows]
-    if splits and (lr := best_lr(out, students[0], lrs, seeds[:1])[0]) is not None:
+    if splits and (lr := best_lr(out, "lin", students[0], lrs, seeds[:1])[0]) is not None:
         lines += ["", f"Stage splits of {students[0]} at lr {lr:g} ({steps} steps each, seed {seeds[0]}):", "",
                   "| transfer / distill / finetune | after transfer | after distill | end |", "|---|---|---|---|"]
         for t, d in [(transfer, distill), *splits]:
@@ -247,50 +212,49 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
 
 
 def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_steps, extra, path: Path) -> None:
-    """Per student: val bpb against training tokens (seed means) of the linearization (its tokens on top of the
-    teacher's), of from-scratch training and of the teacher."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    """Per student: val bpb against training tokens of the linearization (its tokens on top of the teacher's), of
+    from-scratch training and of the teacher; the mean over seeds with their min-max as a band, each kind of run in
+    its colour in every panel."""
+    import matplotlib.ticker
 
     tokens_per_step = json.loads((teacher / "run_info.json").read_text())["seq_len"] * OmegaConf.load(
         teacher / "config.yaml").trainer.batch_size
 
-    def mean_curve(dirs):
+    def at_steps(dirs, offset=0):
+        """[the seeds' (tokens, val bpb) at each step all of them evaluated]."""
         curves = [val_curve(d) for d in dirs if finished(d)]
-        if not curves:
-            return [], []
-        common = sorted(set.intersection(*(set(c) for c in curves)))
-        return [s * tokens_per_step for s in common], [statistics.mean(c[s] for c in curves) for s in common]
+        common = sorted(set.intersection(*(set(c) for c in curves))) if curves else []
+        return [[(offset + s * tokens_per_step, c[s]) for c in curves] for s in common]
 
-    fig, axes = plt.subplots(1, len(students), figsize=(4.2 * len(students), 3.6), sharey=True, squeeze=False)
+    kinds = {"linearized": "linearized", f"from scratch, {steps} steps": "scratch",
+             f"from scratch, {teacher_steps} steps": "scratch"}
+    style = SeriesStyle([("teacher (softmax)", "teacher"), *kinds.items()])
+    fig, axes = pyplot().subplots(1, len(students), figsize=(4.2 * len(students), 3.6), sharey=True, squeeze=False)
     t_curve = val_curve(teacher)
     shown = [min(t_curve.values())]  # the values the y range must show: every curve's end, the linearized starts
     for ax, student in zip(axes[0], students):
-        lr, _ = best_lr(out, student, lrs, seeds[:1])
+        lr, _ = best_lr(out, "lin", student, lrs, seeds[:1])
         if lr is None:
             continue
-        ax.plot([s * tokens_per_step for s in t_curve], list(t_curve.values()), color="black", label="teacher (softmax)")
-        x, y = mean_curve([run_dir(out, "lin", student, s, lr) for s in seeds])
-        ax.plot([teacher_steps * tokens_per_step + v for v in x], y, marker=".", label=f"linearized (lr {lr:g})")
-        shown += y
-        for n, style in ((steps, "--"), (teacher_steps, ":")):
+        ax.plot([s * tokens_per_step for s in t_curve], list(t_curve.values()), label="teacher (softmax)",
+                **{**style("teacher (softmax)"), "marker": None})
+        points = at_steps([run_dir(out, "lin", student, s, lr) for s in seeds], teacher_steps * tokens_per_step)
+        mean_band(ax, points, f"linearized (lr {lr:g})", {**style("linearized"), "marker": "."})
+        shown += [statistics.mean(y for _, y in p) for p in points]
+        for n in (steps, teacher_steps):
             grid = scratch_lrs[student] if n == steps else [default_lr(student, extra)]  # teacher's tokens: default lr
-            x, y = mean_curve([run_dir(out, f"scratch{n}", student, s, best_scratch_lr(out, student, grid, seeds[:1], n))
+            label = f"from scratch, {n} steps"
+            points = at_steps([run_dir(out, f"scratch{n}", student, s, best_scratch_lr(out, student, grid, seeds[:1], n))
                                for s in seeds])
-            if x:
-                ax.plot(x, y, style, label=f"{student} from scratch, {n} steps")
-                shown += y[-1:]
+            mean_band(ax, points, f"{student} {label}", style(label), ms=3)
+            shown += [statistics.mean(y for _, y in p) for p in points[-1:]]
         ax.set(title=student, xlabel="training tokens (linearized: after the teacher's)", xscale="log")
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())  # the decades only: minor labels overlap
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        legend_outside(ax, below=True)
     axes[0][0].set_ylabel("val bits per byte")
     axes[0][0].set_ylim(min(shown) - 0.05, max(shown) + 0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Each mixer next to its reference implementation on the same MQAR data and steps, over lrs and seeds.
 
-    python scripts/mqar_side_by_side.py --widths 64,128 --seeds 0 --steps 500 --jobs 2 --out reports/mqar_side_by_side
+    python studies/mqar.py --widths 64,128 --seeds 0 --steps 500 --jobs 2 --out reports/mqar_side_by_side
 
 Ours: DecoderLM as experiment=mqar builds it (2 layers, 2 heads, dense SwiGLU FFN, each block's
 defaults) with mixer=<mixer> and model.parametrization=<each of --parametrizations>. The references,
@@ -34,15 +34,19 @@ from pathlib import Path
 
 import torch
 
+from analysis.best import best_value, edge_text
+from analysis.plots import style_mqar_axes
+from analysis.summary import decode_state_numbers
+from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
 from model import DecoderLM, LMConfig
 from model.config import PARAMETRIZATIONS, PER_MIXER
-from scripts.compare import decode_state_numbers, edge_text, grid_edge, style_mqar_axes
 
 ROOT = Path(__file__).resolve().parents[1]
 
-MIXERS = ("softmax", "gdn", "derived_gdn", "mamba2", "linear")
+# mixer -> its reference implementation; the mixers this study runs are those that have one
 REFERENCE = {"softmax": "llama", "gdn": "qwen3_next_gdn", "derived_gdn": "qwen3_next_gdn", "mamba2": "mamba2",
              "linear": "fla_linear_attn"}
+MIXERS = tuple(REFERENCE)
 LAYERS, HEADS, SEQ_LEN, BATCH, WARMUP = 2, 2, 64, 64, 50
 
 
@@ -161,19 +165,20 @@ def job_key(job: dict) -> tuple:
 
 
 def best_over_lr(runs: list[dict]) -> dict | None:
-    """The lr whose mean final accuracy over seeds is highest: {lr, mean, lo, hi, seeds, curves, lrs, edge, beyond};
-    edge and beyond as compare.grid_edge gives them (the best at the low or high edge of the lrs tried, or the only one,
-    and the lrs one step beyond it)."""
+    """The lr with the highest mean final accuracy (analysis.best.best_value, on the seeds every lr ran): {lr, mean,
+    lo, hi, seeds, curves, lrs, edge, beyond}, mean and min-max over every seed at that lr; edge and beyond as
+    grid_edge gives them (the best at the low or high edge of the lrs tried, or the only one, and the lrs one step
+    beyond it)."""
     by_lr = {}
     for r in runs:
         by_lr.setdefault(r["lr"], []).append(r)
-    if not by_lr:
+    best = best_value({lr: [(r["seed"], r["acc"]) for r in rs] for lr, rs in by_lr.items()}, higher_is_better=True)
+    if best is None:
         return None
-    lr, rs = max(by_lr.items(), key=lambda kv: sum(r["acc"] for r in kv[1]) / len(kv[1]))
-    accs = [r["acc"] for r in rs]
-    edge, beyond = grid_edge(list(by_lr), lr)
-    return {"lr": lr, "mean": sum(accs) / len(accs), "lo": min(accs), "hi": max(accs), "seeds": len(rs),
-            "curves": [r["curve"] for r in rs], "lrs": sorted(by_lr), "edge": edge, "beyond": beyond}
+    accs = [r["acc"] for r in by_lr[best.value]]
+    return {"lr": best.value, "mean": sum(accs) / len(accs), "lo": min(accs), "hi": max(accs), "seeds": len(accs),
+            "curves": [r["curve"] for r in by_lr[best.value]], "lrs": sorted(by_lr), "edge": best.edge,
+            "beyond": best.beyond}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -228,66 +233,56 @@ def write_table(rows: list[dict], steps: int, path: Path, rerun: str) -> None:
 
 
 def plot_curves(rows: list[dict], path: Path) -> None:
-    """Accuracy against steps, one panel per (mixer, width): ours per parametrization and the reference,
-    each at its best lr, the mean over seeds with the min-max band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """Accuracy against steps, one panel per (mixer, width): ours per parametrization and the reference, each at
+    its best lr (in the panel's title), the mean over seeds with the min-max band; one colour per mixer, a line
+    style per side; each row's legend right of its last panel."""
     mixers = list(dict.fromkeys(r["mixer"] for r in rows))
     widths = sorted({r["d"] for r in rows})
-    fig, axes = plt.subplots(len(mixers), len(widths), figsize=(4.2 * len(widths), 2.8 * len(mixers)),
-                             squeeze=False, sharex=True, sharey=True)
+    style = SeriesStyle()
+    fig, axes = pyplot().subplots(len(mixers), len(widths), figsize=(4.2 * len(widths), 2.8 * len(mixers)),
+                                  squeeze=False, sharex=True, sharey=True)
     for i, mixer in enumerate(mixers):
         for j, d in enumerate(widths):
             ax = axes[i][j]
             panel = [r for r in rows if r["mixer"] == mixer and r["d"] == d]
-            sides = [(f"ours, {r['parametrization']}", r["ours"], "-") for r in panel]
+            sides = [(f"ours, {r['parametrization']}", r["ours"]) for r in panel]
             if panel and panel[0]["ref"]:
-                sides.append((f"{panel[0]['reference']} (reference)", panel[0]["ref"], "--"))
-            for label, best, style in sides:
-                steps = [s for s, _ in best["curves"][0]]
-                accs = [[c[k][1] for c in best["curves"]] for k in range(len(steps))]
-                line, = ax.plot(steps, [sum(a) / len(a) for a in accs], style, label=f"{label}, lr {best['lr']:g}")
-                ax.fill_between(steps, [min(a) for a in accs], [max(a) for a in accs], color=line.get_color(), alpha=0.2)
-            ax.set_title(f"{mixer}, d {d}", fontsize=9)
+                sides.append((f"{panel[0]['reference']} (reference)", panel[0]["ref"]))
+            for label, best in sides:
+                style.add(label, mixer)
+                at_step = zip(*[[tuple(point) for point in curve] for curve in best["curves"]])
+                mean_band(ax, [list(points) for points in at_step], label, {**style(label), "marker": None})
+            lrs = "; ".join(f"{label.removeprefix('ours, ').removesuffix(' (reference)')} {best['lr']:g}"
+                            for label, best in sides)
+            ax.set_title(f"{mixer}, d {d} (best lr: {lrs})", fontsize=8)
             ax.set_ylim(0, 1.02)
             ax.grid(alpha=0.3)
-            ax.legend(fontsize=6, loc="upper left")
             if i == len(mixers) - 1:
                 ax.set_xlabel("step")
             if j == 0:
                 ax.set_ylabel("MQAR accuracy")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+        legend_outside(axes[i][-1])
+    save_figure(fig, path, dpi=110)
 
 
 def plot_zoology(rows: list[dict], out: Path) -> list[Path]:
-    """Ours at the best lr per (mixer, width): accuracy against decode-state numbers and against d_model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    written = []
+    """Ours at the best lr per (mixer, width): accuracy against decode-state numbers and against d_model, the mean
+    over seeds with their min-max as a band, one colour per mixer."""
+    style, written = SeriesStyle(), []
+    one = len({r["parametrization"] for r in rows}) == 1
     for key, name, xlabel in (("state", "mqar_state.png", "decode state per sequence (numbers, T = 64)"),
                               ("d", "mqar_width.png", "d_model")):
-        fig, ax = plt.subplots(figsize=(6.5, 4.5))
+        fig, ax = pyplot().subplots(figsize=(6.5, 4.5))
         for (mixer, par) in dict.fromkeys((r["mixer"], r["parametrization"]) for r in rows):
-            pts = []
-            for r in sorted((r for r in rows if r["mixer"] == mixer and r["parametrization"] == par), key=lambda r: r["d"]):
+            label = mixer if one else f"{mixer}, {par}"
+            style.add(label, mixer)
+            points = []
+            for r in (r for r in rows if r["mixer"] == mixer and r["parametrization"] == par):
                 x = r["d"] if key == "d" else decode_state_numbers(ours(mixer, 64, r["d"], par), SEQ_LEN)
-                pts.append((x, r["ours"]["mean"], r["ours"]["mean"] - r["ours"]["lo"], r["ours"]["hi"] - r["ours"]["mean"]))
-            xs, ys, lo, hi = zip(*pts)
-            ax.errorbar(xs, ys, yerr=[lo, hi], fmt="o-", capsize=3, label=mixer if len({r["parametrization"] for r in rows}) == 1
-                        else f"{mixer}, {par}")
+                points.append([(x, curve[-1][1]) for curve in r["ours"]["curves"]])  # each seed's final accuracy
+            mean_band(ax, points, label, style(label))
         style_mqar_axes(ax, xlabel)
-        fig.tight_layout()
-        fig.savefig(out / name, dpi=110)
-        plt.close(fig)
-        written.append(out / name)
+        written.append(save_figure(fig, out / name, dpi=110))
     return written
 
 
@@ -347,7 +342,7 @@ def main(argv=None) -> int:
     runs = [r for r in read_runs(log) if r["steps"] == args.steps and r["d"] in widths and r["parametrization"] in [*pars, "own"]
             and (r["mixer"] in mixers or r["impl"] in [REFERENCE.get(m) for m in mixers])]
     rows = summarize(runs)
-    rerun = (f"python scripts/mqar_side_by_side.py --seeds {args.seeds} --steps {args.steps} --eval-every {args.eval_every} "
+    rerun = (f"python studies/mqar.py --seeds {args.seeds} --steps {args.steps} --eval-every {args.eval_every} "
              f"--jobs {args.jobs} --out {shlex.quote(str(out))}")
     write_table(rows, args.steps, out / "table.md", rerun)
     plot_curves(rows, out / "curves.png")

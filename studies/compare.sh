@@ -5,10 +5,11 @@
 # best lr (compare.py --best-over trainer.lr: mean and min-max over the seeds).
 # The defaults are 72 + 72 jobs: hours on 2 CPU cores (docs/studies/ tables ran subsets, with the
 # commands beside them).
-#   scripts/compare_all.sh [OUT]        (default multirun/compare_all/<date>_<time>)
+#   studies/compare.sh [OUT]        (default multirun/compare_all/<date>_<time>)
 # Open OUT/report_corpus/compare.md and OUT/report_mqar/compare.md (tables + PNGs next to them).
 # Environment (defaults in brackets):
-#   MIXER [softmax,mamba2,gdn,derived_gdn,linear,dsa] (ATTENTION, its old name, also)   FFN [dense,moe]   (corpus grid)
+#   MIXER [softmax, then every other registered mixer: softmax is the reference for --match-params]
+#   FFN [dense,moe]   (corpus grid)
 #   MQAR_FFN [dense]   WIDTHS [64,128]   MQAR_EXPERIMENT [mqar_quick; mqar: 3000 steps, 4 lrs]
 #                                                        (MQAR grid: MIXER x WIDTHS x the experiment's lrs)
 #   SEEDS [0,1]: seed axis of both grids, e.g. SEEDS=0,1,2
@@ -19,7 +20,9 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-multirun/compare_all/$(date +%Y-%m-%d_%H-%M-%S)}
-MIXER=${MIXER:-${ATTENTION:-softmax,mamba2,gdn,derived_gdn,linear,dsa}}
+if [ -z "${MIXER:-}" ]; then
+  MIXER=$(python -c "from training.config import group_choices; print(','.join(['softmax'] + [m for m in group_choices('mixer') if m != 'softmax']))")
+fi
 FFN=${FFN:-dense,moe}
 MQAR_FFN=${MQAR_FFN:-dense}
 WIDTHS=${WIDTHS:-64,128}

@@ -1,0 +1,83 @@
+"""compare(): the report over any runs (docs/comparing.md): compare.md, compare.csv, best_over.json under
+--best-over, and the figures; one SeriesStyle for all of them."""
+import csv
+import json
+from pathlib import Path
+
+from analysis.best import EDGE_TAG, best_over_sections, edge_report, group_architectures
+from analysis.plots import (best_series, plot_best_over, plot_curves, plot_moe_load, plot_mqar, plot_throughput,
+                            series_of)
+from analysis.runs import Run, cfg_get, discover
+from analysis.summary import COLUMNS, budget_line, markdown_table, summarize_run
+from analysis.wandb_runs import read_wandb_api, set_tag
+from common.plots import SeriesStyle
+from evaluation.suites import SUITES, EvalPoint
+
+
+def eval_points(runs: list[Run], summaries: list[dict], archs: list, key: str | None) -> list[EvalPoint]:
+    """Under --best-over each architecture at its best value (its seeds' reports averaged), else each run."""
+    if archs:
+        return [EvalPoint(a.label, str(a.summary["mixer"]), [r.report for r in a.members[a.pick.value] if r.report], key)
+                for a in archs]
+    return [EvalPoint(s["run"], str(s["mixer"]), [run.report] if run.report else []) for run, s in zip(runs, summaries)]
+
+
+def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_over: str | None = None) -> dict:
+    runs, notes = discover(paths)
+    if wandb_path:
+        runs += read_wandb_api(wandb_path)
+    skipped = [r for r in runs if not r.complete or not any("val/loss" in row for row in r.rows)]
+    for r in skipped:
+        notes.append(f"skipped {r.name} ({r.source}): {r.note or 'no val metrics'}")
+    runs = [r for r in runs if r not in skipped]
+    missing = [r.name for r in runs if best_over and cfg_get(r.config, best_over) is None]
+    if missing:
+        raise ValueError(f"--best-over {best_over}: run {missing[0]} has no {best_over} in its config")
+    summaries = [summarize_run(r) for r in runs]
+    out.mkdir(parents=True, exist_ok=True)
+    archs = group_architectures(runs, summaries, best_over) if best_over and runs else []
+    for a in archs:
+        for at_value in a.runs.values():
+            for s in at_value:
+                s.update(architecture=a.label, edge=a.pick.edge)
+    slice_cols = sorted({k for s in summaries for k in s if k.startswith("mqar_acc/")},
+                        key=lambda k: tuple(int(x) for x in k.split("/")[1].split("x")))
+    eval_cols = sorted({k for s in summaries for k in s if k.startswith("eval/")})
+    columns = COLUMNS[:-2] + slice_cols + eval_cols + (["architecture", "edge"] if archs else []) + COLUMNS[-2:]
+    with (out / "compare.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(summaries)
+    shown = [c for c in columns if c not in ("source", "budget", "architecture", "edge")
+             and any(s.get(c) is not None for s in summaries)]
+    series = best_series(archs, best_over) if archs else series_of(list(zip(runs, summaries)))
+    style = SeriesStyle([(x.label, x.mixer) for x in series] + [(a.label, str(a.summary["mixer"])) for a in archs]
+                        + [(s["run"], str(s["mixer"])) for s in summaries])
+    mqar_points = summaries
+    if archs:  # the MQAR plots show each architecture at its best value
+        mqar_points = [{**a.summary, "mqar_acc": a.means()[a.pick.value] if a.score == "mqar_acc" else None} for a in archs]
+        (out / "best_over.json").write_text(json.dumps(edge_report(archs, best_over), indent=1))
+        notes += set_tag([(run, a.pick.edge is not None and value == a.pick.value) for a in archs
+                          for value, members in a.members.items() for run in members], EDGE_TAG)
+    plots = (plot_curves(series, out, style) + plot_throughput(summaries, out, style) + plot_moe_load(runs, summaries, out)
+             + plot_mqar(mqar_points, out, style)) if runs else []
+    md = [f"# Comparison of {len(runs)} run(s)", "", f"Budget: {budget_line([r.config for r in runs])}.", ""]
+    warnings = []
+    if archs:
+        sections, warnings = best_over_sections(archs, best_over)
+        md += [*sections, "## Every run", ""]
+        plots += plot_best_over(archs, best_over, out, style)
+    md += [markdown_table(summaries, shown) if runs else "(no complete runs)", "",
+           "params: total (active per token); train_flops: tokens x train FLOPs per token; tokens/s and MFU: median "
+           "over training logs after the first; val metrics at the last evaluation; wall_s: training wall-clock; "
+           "state_size: decode-cache numbers per sequence at trainer.seq_len.", ""]
+    points = eval_points(runs, summaries, archs, best_over)
+    for name in SUITES.names():  # each eval suite's tables and figures (evaluation/suites/<name>.py compare)
+        figures, lines, suite_notes = SUITES.get(name)().compare(points, out, style)
+        plots, md, notes = plots + figures, md + lines, notes + suite_notes
+    md += [f"![{p.stem}]({p.relative_to(out)})" for p in plots]
+    if notes:
+        md += ["", "## Notes", *[f"- {n}" for n in notes]]
+    (out / "compare.md").write_text("\n".join(md) + "\n")
+    return {"summaries": summaries, "architectures": archs, "notes": notes, "plots": plots,
+            "warnings": warnings, "markdown": "\n".join(md)}

@@ -1,0 +1,1 @@
+"""The study drivers, each named after its page in docs/studies/ (python studies/<name>.py --help)."""
