@@ -185,6 +185,7 @@ def check_dsa(stage: Stage, T: int = 300, topk: int = 32) -> None:
     top-k selection (compared by selected score values: ties may pick other keys), the sparse path
     (cuSPARSE SDDMM / SpMM on CUDA), the masked path and the dispatch (outputs and q, k, v gradients), the
     indexer scores at the selection (values and gradients); 1, 2 and 4 KV heads."""
+    import model.ops.lightning_indexer as li
     import model.ops.sparse_attention as sa
 
     H, D, H_I, D_I = 4, 64, 4, 32
@@ -210,10 +211,10 @@ def check_dsa(stage: Stage, T: int = 300, topk: int = 32) -> None:
             g = torch.Generator().manual_seed(kv)
             q, k, v = (torch.randn(2, T, n, D, generator=g) for n in (H, kv, kv))
             q_i, k_i, w = (torch.randn(2, T, *shape, generator=g) for shape in ((H_I, D_I), (D_I,), (H_I,)))
-            idx = sa.index_topk(q_i, k_i, w, topk, segment_ids=segment_ids)
-            idx_dev = sa.index_topk(q_i.to(device), k_i.to(device), w.to(device), topk,
+            idx = li.index_topk(q_i, k_i, w, topk, segment_ids=segment_ids)
+            idx_dev = li.index_topk(q_i.to(device), k_i.to(device), w.to(device), topk,
                                     segment_ids=segment_ids.to(device)).cpu()
-            scores = sa.index_scores(q_i, k_i, w, segment_ids=segment_ids)
+            scores = li.index_scores(q_i, k_i, w, segment_ids=segment_ids)
             picked = lambda i: scores.gather(-1, i.clamp(min=0)).masked_fill(i < 0, 0).sort(-1).values  # noqa: E731
             out = compare(f"index_topk, {kv} KV heads", [picked(idx)], [picked(idx_dev)])
             ops = {"sparse path": lambda a, b, c: sa.sparse_attention(a, b, c, csr(idx, T, a.device)),
@@ -221,7 +222,7 @@ def check_dsa(stage: Stage, T: int = 300, topk: int = 32) -> None:
                    "selected_attention": lambda a, b, c: sa.selected_attention(a, b, c, csr(idx, T, a.device))[0]}
             for name, op in ops.items():
                 out += compare(f"{name}, {kv} KV heads", run_op(op, (q, k, v), "cpu"), run_op(op, (q, k, v), device))
-            scores_at = lambda a, b, c: sa.index_scores_at(a, b, c, csr(idx, T, a.device))  # noqa: E731
+            scores_at = lambda a, b, c: li.index_scores_at(a, b, c, csr(idx, T, a.device))  # noqa: E731
             return out + compare(f"index_scores_at, {kv} KV heads", run_op(scores_at, (q_i, k_i, w), "cpu"),
                                  run_op(scores_at, (q_i, k_i, w), device))
         stage.case(f"{kv} KV heads", case)

@@ -3,6 +3,7 @@ the mixer against softmax attention, its stages, checkpoint loading, warm-up and
 import pytest
 import torch
 
+import model.ops.lightning_indexer as li
 import model.ops.sparse_attention as sa
 from conftest import assert_bf16_rounding_of
 from model import DecodeCache, DecoderLM, LMConfig
@@ -28,7 +29,7 @@ def blocks(request, monkeypatch):
     in the blocks it names."""
     if request.param == "small_blocks":
         monkeypatch.setattr(sa, "_BLOCK_ELEMS", 700)
-        monkeypatch.setattr(sa, "_INDEX_BLOCK_ELEMS", 100)  # 2 queries per block at T = S = 13, H_I = 3
+        monkeypatch.setattr(li, "_INDEX_BLOCK_ELEMS", 100)  # 2 queries per block at T = S = 13, H_I = 3
     counts, split = [], sa._blocks
 
     def counted(*args):
@@ -55,7 +56,7 @@ def attention_inputs(B=2, T=13, H=4, Hkv=2, D=6, seed=1):
 
 def test_index_scores_match_formula():
     q_i, k_i, w = indexer_inputs()
-    torch.testing.assert_close(sa.index_scores(q_i, k_i, w), sa.naive_index_scores(q_i, k_i, w))
+    torch.testing.assert_close(li.index_scores(q_i, k_i, w), li.naive_index_scores(q_i, k_i, w))
 
 
 @pytest.fixture(params=["numba", "torch"])
@@ -81,13 +82,13 @@ def assert_top_visible(idx, ref, first_visible, topk):
 @pytest.mark.parametrize("topk", [1, 5, 13, 20])
 def test_index_topk_selects_the_top_visible_keys(blocks, topk_kernel, topk):
     q_i, k_i, w = indexer_inputs()
-    ref = sa.naive_index_scores(q_i, k_i, w).detach()
-    idx = sa.index_topk(q_i, k_i, w, topk)
+    ref = li.naive_index_scores(q_i, k_i, w).detach()
+    idx = li.index_topk(q_i, k_i, w, topk)
     T = ref.shape[1]
     assert idx.shape == (2, T, min(topk, T))
     assert_top_visible(idx, ref, torch.zeros(2, T), topk)
     # queries at an offset (a prefill continuing a cache) select the same keys
-    late = sa.index_topk(q_i[:, 6:], k_i, w[:, 6:], topk, offset=6)
+    late = li.index_topk(q_i[:, 6:], k_i, w[:, 6:], topk, offset=6)
     assert torch.equal(late.sort(-1).values, idx[:, 6:].sort(-1).values)
 
 
@@ -97,8 +98,8 @@ def test_index_topk_within_documents(topk_kernel, topk):
     starts = torch.zeros(2, 50, dtype=torch.bool)
     starts[0, [0, 9, 10, 31]] = starts[1, [0, 44]] = True
     segment_ids = starts.cumsum(1)
-    ref = sa.naive_index_scores(q_i, k_i, w).detach()
-    idx = sa.index_topk(q_i, k_i, w, topk, segment_ids=segment_ids)
+    ref = li.naive_index_scores(q_i, k_i, w).detach()
+    idx = li.index_topk(q_i, k_i, w, topk, segment_ids=segment_ids)
     first = torch.stack([torch.searchsorted(row, row) for row in segment_ids])  # each document's start
     assert_top_visible(idx, ref, first, topk)
 
@@ -106,9 +107,9 @@ def test_index_topk_within_documents(topk_kernel, topk):
 @pytest.mark.parametrize("backend", sa.Selection.BACKENDS)
 def test_index_scores_at_match_dense_scores_values_and_grads(backend):
     q_i, k_i, w = indexer_inputs()
-    idx = sa.index_topk(q_i, k_i, w, 4)
-    out = sa.index_scores_at(q_i, k_i, w, sa.Selection(idx, k_i.shape[1], backend))
-    ref = sa.naive_index_scores(q_i, k_i, w).gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
+    idx = li.index_topk(q_i, k_i, w, 4)
+    out = li.index_scores_at(q_i, k_i, w, sa.Selection(idx, k_i.shape[1], backend))
+    ref = li.naive_index_scores(q_i, k_i, w).gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
     torch.testing.assert_close(out, ref)
     g = torch.randn(out.shape, dtype=F64).masked_fill(idx < 0, 0)
     finite = lambda x: x.masked_fill(idx < 0, 0)  # noqa: E731
@@ -128,7 +129,7 @@ PATHS = {"sparse": sa.sparse_attention, "sparse_csr": sparse_on("csr"), "masked"
 @pytest.mark.parametrize("Hkv,topk", [(1, 4), (2, 1), (2, 9), (4, 4)])
 def test_both_paths_match_dense_masked_reference_and_formula(blocks, path, Hkv, topk):
     q, k, v = attention_inputs(Hkv=Hkv)  # T = 13: no block or tile size divides it
-    idx = sa.index_topk(*indexer_inputs(), topk)
+    idx = li.index_topk(*indexer_inputs(), topk)
     out, ref = PATHS[path](q, k, v, idx), sa.naive_masked_attention(q, k, v, idx)
     torch.testing.assert_close(out, ref)
     torch.testing.assert_close(out, sa.naive_sparse_attention(q, k, v, idx))
@@ -142,7 +143,7 @@ def test_both_paths_for_queries_after_a_prefix(blocks, path):
     """The T queries are the last T of the S keys (a prefill continuing a cache)."""
     q, k, v = attention_inputs(Hkv=1)
     q_i, k_i, w = indexer_inputs()
-    idx = sa.index_topk(q_i[:, 6:], k_i, w[:, 6:], 4, offset=6)
+    idx = li.index_topk(q_i[:, 6:], k_i, w[:, 6:], 4, offset=6)
     q = q[:, 6:].detach().requires_grad_()
     out, ref = PATHS[path](q, k, v, idx), sa.naive_masked_attention(q, k, v, idx)
     torch.testing.assert_close(out, ref)
@@ -153,7 +154,7 @@ def test_both_paths_for_queries_after_a_prefix(blocks, path):
 
 def test_sparse_path_returns_the_selected_attention_probs():
     q, k, v = attention_inputs()
-    sel = sa.Selection(sa.index_topk(*indexer_inputs(), 4), k.shape[1])
+    sel = sa.Selection(li.index_topk(*indexer_inputs(), 4), k.shape[1])
     _, p = sa.sparse_attention_with_probs(q, k, v, sel)
     assert not p.requires_grad
     torch.testing.assert_close(p, sa.selected_attention_probs(q, k, sel))
@@ -162,7 +163,7 @@ def test_sparse_path_returns_the_selected_attention_probs():
 def test_selection_hands_the_sparse_kernels_32_bit_indices():
     """MKL / cuSPARSE take 32-bit indices; int64 ones are converted on every SDDMM / SpMM call."""
     q, k, v = attention_inputs()
-    idx = sa.index_topk(*indexer_inputs(), 4)
+    idx = li.index_topk(*indexer_inputs(), 4)
     assert sa.Selection(idx, k.shape[1]).key_rows.dtype == torch.int32
     sel = sa.Selection(idx, k.shape[1], "csr")
     for m in (sel.matrix(torch.ones(sel.rows, 4, dtype=F64)), sel.matrix_t(torch.ones(sel.rows, 4, dtype=F64))):
@@ -196,11 +197,11 @@ def test_cpu_sparse_path_runs_the_numba_kernels(monkeypatch, threads):
         monkeypatch.setattr(sparse_cpu, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
     q, k, v = attention_inputs()
     q_i, k_i, w = indexer_inputs()
-    sel = sa.Selection(sa.index_topk(q_i, k_i, w, 4), k.shape[1])
+    sel = sa.Selection(li.index_topk(q_i, k_i, w, 4), k.shape[1])
     assert sel.backend == "numba"
     ref = sa.Selection(sel.indices, k.shape[1], "csr")
     g = torch.randn(2, 13, 4, dtype=F64)
-    out = [sa.sparse_attention(q, k, v, s).sum() + (sa.index_scores_at(q_i, k_i, w, s).clamp(min=-1) * g).sum()
+    out = [sa.sparse_attention(q, k, v, s).sum() + (li.index_scores_at(q_i, k_i, w, s).clamp(min=-1) * g).sum()
            for s in (sel, ref)]
     assert sorted(calls) == ["gathered_sum", "index_scores", "logits"]  # fwd: attention, indexer
     got, want = (torch.autograd.grad(o, (q, k, v, q_i, k_i, w)) for o in out)
@@ -231,7 +232,7 @@ def test_attention_path_cost_model_logs_each_choice_once(caplog, monkeypatch):
 @pytest.mark.parametrize("path", ["sparse", "masked"])
 def test_selected_attention_runs_the_chosen_path(monkeypatch, path):
     q, k, v = attention_inputs()
-    sel = sa.Selection(sa.index_topk(*indexer_inputs(), 4), k.shape[1])
+    sel = sa.Selection(li.index_topk(*indexer_inputs(), 4), k.shape[1])
     monkeypatch.setattr(sa, "attention_path", lambda *args: path)
     ran = []
     for name in ("sparse_attention_with_probs", "masked_attention"):
@@ -245,11 +246,11 @@ def test_selected_attention_runs_the_chosen_path(monkeypatch, path):
 
 @pytest.mark.parametrize("S,k", [(64, 4), (1001, 7), (300, 30)])
 def test_two_stage_topk_is_exact(S, k):
-    assert sa._topk_chunks(S, k) >= 2  # the two-stage path runs
+    assert li._topk_chunks(S, k) >= 2  # the two-stage path runs
     g = torch.Generator().manual_seed(S)
     x = torch.randn(5, S, generator=g).relu()  # many tied zeros
     x[0, S // 2:] = float("-inf")
-    idx = sa.topk_indices(x, k)
+    idx = li.topk_indices(x, k)
     assert all(len(set(row.tolist())) == k for row in idx)
     torch.testing.assert_close(x.gather(-1, idx).sort(-1).values, x.topk(k, -1).values.sort(-1).values)
 
@@ -257,7 +258,7 @@ def test_two_stage_topk_is_exact(S, k):
 @pytest.mark.parametrize("path", PATHS)
 def test_both_paths_with_all_keys_are_causal_softmax_attention(path):
     q, k, v = attention_inputs()
-    idx = sa.index_topk(*indexer_inputs(), 13)
+    idx = li.index_topk(*indexer_inputs(), 13)
     out = PATHS[path](q, k, v, idx)
     ref = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
     torch.testing.assert_close(out, ref)
@@ -273,7 +274,7 @@ def test_sparse_attention_fp32_accumulation_for_bf16_inputs():
     g = torch.Generator().manual_seed(0)
     q = (3 * torch.randn(1, 64, 4, 32, generator=g)).bfloat16()
     k, v = (torch.randn(1, 64, 1, 32, generator=g).bfloat16() for _ in range(2))
-    idx = sa.index_topk(*(x.detach().float() for x in indexer_inputs(B=1, T=64, seed=2)), 32)
+    idx = li.index_topk(*(x.detach().float() for x in indexer_inputs(B=1, T=64, seed=2)), 32)
     ref = sa.naive_masked_attention(q.double(), k.double(), v.double(), idx)
     out = sa.sparse_attention(q, k, v, idx)
     assert out.dtype == torch.bfloat16
@@ -285,10 +286,10 @@ def test_sparse_attention_fp32_accumulation_for_bf16_inputs():
 def test_ops_keep_fp32_under_autocast():
     q, k, v = (x.detach().float() for x in attention_inputs())
     q_i, k_i, w = (x.detach().float() for x in indexer_inputs())
-    idx = sa.index_topk(q_i, k_i, w, 4)
-    ref = (sa.sparse_attention(q, k, v, idx), sa.index_scores_at(q_i, k_i, w, idx), sa.index_scores(q_i, k_i, w))
+    idx = li.index_topk(q_i, k_i, w, 4)
+    ref = (sa.sparse_attention(q, k, v, idx), li.index_scores_at(q_i, k_i, w, idx), li.index_scores(q_i, k_i, w))
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = (sa.sparse_attention(q, k, v, idx), sa.index_scores_at(q_i, k_i, w, idx), sa.index_scores(q_i, k_i, w))
+        out = (sa.sparse_attention(q, k, v, idx), li.index_scores_at(q_i, k_i, w, idx), li.index_scores(q_i, k_i, w))
     for a, r in zip(out, ref):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, r)
@@ -296,7 +297,7 @@ def test_ops_keep_fp32_under_autocast():
 
 def test_attention_probs_match_formula(blocks):
     q, k, _ = attention_inputs()
-    idx = sa.index_topk(*indexer_inputs(), 4)
+    idx = li.index_topk(*indexer_inputs(), 4)
     B, T, H, D = q.shape
     s = torch.einsum("bthd,bshd->bhts", q, k.repeat_interleave(2, dim=2)) * D**-0.5
     causal = torch.ones(T, T, dtype=torch.bool).tril()
@@ -313,7 +314,7 @@ def test_attention_probs_match_formula(blocks):
 
 def tiny_config(**dsa_options):
     return LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                    num_key_value_heads=2, attention="dsa", mixer_options={"dsa": dsa_options},
+                    num_key_value_heads=2, mixer="dsa", mixer_options={"dsa": dsa_options},
                     max_position_embeddings=64)
 
 
@@ -386,7 +387,7 @@ def test_softmax_checkpoint_loads_into_dsa(tmp_path):
     soft = DecoderLM(LMConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                               num_key_value_heads=2))
     soft.save_pretrained(tmp_path)
-    dsa, info = DecoderLM.from_pretrained(tmp_path, attention="dsa", mixer_options={"dsa": {"topk": 16}},
+    dsa, info = DecoderLM.from_pretrained(tmp_path, mixer="dsa", mixer_options={"dsa": {"topk": 16}},
                                           output_loading_info=True)
     assert info["missing_keys"] and all(".mixer.indexer." in k for k in info["missing_keys"])
     assert not info["unexpected_keys"] and not info["mismatched_keys"]

@@ -51,9 +51,9 @@ def test_untied_and_errors(tmp_path):
     with pytest.raises(ValueError, match="exceeds max_position_embeddings=64"):
         m(torch.zeros(1, 65, dtype=torch.long))
     with pytest.raises(ValueError, match="unknown mixer 'nope'; valid: "):
-        DecoderLM(tiny(attention="nope"))
+        DecoderLM(tiny(mixer="nope"))
     with pytest.raises(ValueError, match="mixer lists 3 layers but num_hidden_layers=2"):
-        DecoderLM(tiny(attention=["softmax"] * 3)).config.layer_mixers
+        DecoderLM(tiny(mixer=["softmax"] * 3)).config.layer_mixers
 
 
 @pytest.mark.parametrize("parametrization, o_std", [("fla", 0.02 / 4), ("llama", 0.02)])

@@ -14,10 +14,10 @@ SCHEDULES = {"mamba2": "mamba2", "linear": "linear", "hybrid": ["mamba2", "softm
 OPTIONS = {"mamba2": {"head_dim": 16, "state_size": 8, "chunk_size": 8}, "linear": {"chunk_size": 8}}
 
 
-def tiny_model(attention, seed=0, kv_heads=None, **options) -> DecoderLM:
+def tiny_model(mixer, seed=0, kv_heads=None, **options) -> DecoderLM:
     torch.manual_seed(seed)
     config = LMConfig(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=kv_heads, max_position_embeddings=128, attention=attention,
+                      num_key_value_heads=kv_heads, max_position_embeddings=128, mixer=mixer,
                       mixer_options={**OPTIONS, **options})
     return DecoderLM(config).eval()
 

@@ -28,8 +28,8 @@ from transformers import initialization as init
 
 from model.layers import DocumentSegments, RotaryEmbedding
 from model.mixers.softmax import SoftmaxAttention, attend
-from model.ops.sparse_attention import (Selection, dense_attention_probs, index_scores, index_scores_at, index_topk,
-                                        selected_attention)
+from model.ops.lightning_indexer import index_scores, index_scores_at, index_topk
+from model.ops.sparse_attention import Selection, dense_attention_probs, selected_attention
 from model.options import bad_option, option
 from model.registry import MIXERS
 

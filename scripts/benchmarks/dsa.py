@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 
+import model.ops.lightning_indexer as li
 import model.ops.sparse_attention as sa
 from model import DecoderLM, LMConfig
 from model.layers import RotaryEmbedding
@@ -48,7 +49,7 @@ def dense_loss(x: dict) -> torch.Tensor:
 
 
 def selection(x: dict) -> torch.Tensor:
-    return sa.index_topk(x["q_i"], x["k_i"], x["w"], TOPK)
+    return li.index_topk(x["q_i"], x["k_i"], x["w"], TOPK)
 
 
 def path_loss(x: dict, idx: torch.Tensor, path) -> torch.Tensor:
@@ -60,12 +61,12 @@ def dsa_loss(x: dict, with_kl: bool = True) -> torch.Tensor:
     sel = sa.Selection(selection(x), x["k"].shape[1])
     o, p = sa.selected_attention(x["q"], x["k"], x["v"], sel, with_probs=with_kl)
     loss = (o * x["grad"]).sum()
-    return loss + indexer_kl(p, sa.index_scores_at(x["q_i"], x["k_i"], x["w"], sel)) if with_kl else loss
+    return loss + indexer_kl(p, li.index_scores_at(x["q_i"], x["k_i"], x["w"], sel)) if with_kl else loss
 
 
 def indexer_kl_loss(x: dict, idx: torch.Tensor) -> torch.Tensor:
     """The sparse stage's indexer loss given the selection: KL(attention probs || indexer softmax)."""
-    return indexer_kl(sa.selected_attention_probs(x["q"], x["k"], idx), sa.index_scores_at(x["q_i"], x["k_i"], x["w"], idx))
+    return indexer_kl(sa.selected_attention_probs(x["q"], x["k"], idx), li.index_scores_at(x["q_i"], x["k_i"], x["w"], idx))
 
 
 def fwd_bwd(loss_fn):
