@@ -2,7 +2,9 @@
 attribute `Options` of the block, fields built with `option`); `parse_options` builds it from a
 config's dict and is the one place its values are checked. Hydra reads the same dataclasses
 (training/config.py stores them as the schema of configs/mixer/*.yaml and configs/ffn/*.yaml
-`options`), and LMConfig keeps them as plain dicts, as config.json stores them.
+`options`), and LMConfig keeps them as plain dicts, as config.json stores them. A dict field holds the
+options of a part the block picks by another option (the MoE's router_options, checked by the router's
+own Options).
 
 Checks that need the model's config (a head count dividing a width) stay in the block, with the
 message `bad_option` writes."""
@@ -49,6 +51,6 @@ def _check(block: str, f: dataclasses.Field, annotation, value) -> None:
         isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool))
     ok = ok and (at_least is None or value >= at_least) and (above is None or value > above)
     if not ok:
-        valid = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        valid = {bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}[kind]
         valid += f" >= {at_least}" if at_least is not None else f" > {above}" if above is not None else ""
         raise bad_option(block, f.name, value, valid + (" or null" if nullable else ""))
