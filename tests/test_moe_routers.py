@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from model import DecoderLM, LMConfig
 from model.ffn.moe import MoE, batch_routing_at_eval
+from model.ffn.routers import ROUTERS
 from model.ffn.routers.balanced import balanced_assignment
 from model.ffn.routers.hash import KNUTH
 from model.ffn.routers.routing import token_choice
@@ -24,7 +25,6 @@ from model.layers import AuxCollector
 from test_moe import make_moe, randomise
 
 F64 = torch.float64
-ROUTERS = ["topk", "expert_choice", "hash", "balanced", "reinforce"]
 REFERENCE = Path(__file__).parent / "data" / "moe_topk_reference.pt"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -369,10 +369,10 @@ def test_balance_losses_are_one_when_balanced_and_group_loss_sees_groups_only():
 
 
 # ---- gradients --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", ROUTERS.names())  # every registered router
 def test_gradients_reach_exactly_the_routers_parameters(router):
     """Finite differences through the whole layer (training routing) in float64; then which
-    parameters get a gradient: the router weight for every router that has one (hash has none)."""
+    parameters get a gradient: every parameter of the router (hash has none)."""
     m, x = scores_layer(router, N=9, E=4, top_k=2, num_shared_experts=1)
     m.train()
     x.requires_grad_()
@@ -382,9 +382,8 @@ def test_gradients_reach_exactly_the_routers_parameters(router):
     m(x, None, torch.arange(9)).square().sum().backward()
     with_grad = sorted(n for n, p in m.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0)
     expected = ["down_proj", "gate_up_proj", "shared.down_proj.weight", "shared.gate_proj.weight", "shared.up_proj.weight"]
-    if router != "hash":
-        expected = sorted(expected + ["router.weight"])
-    assert with_grad == expected
+    assert with_grad == sorted(expected + [f"router.{name}" for name, _ in m.router.named_parameters()])
+    assert (router == "hash") == (not list(m.router.parameters()))
 
 
 # ---- decoding and export -----------------------------------------------------------------------------------
@@ -396,7 +395,7 @@ def tiny_router_lm(router: str, **options) -> DecoderLM:
     return DecoderLM(config)
 
 
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", ROUTERS.names())  # every registered router
 def test_decode_and_export_for_every_router(router, tmp_path):
     """Evaluation routing is per token for every router: prefill + one-token steps with the cache give
     the full forward's logits, generate with the cache equals generate without; save_pretrained /
