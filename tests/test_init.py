@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from data.mqar import mqar_slice
 from model import DecoderLM, LMConfig
 from model.config import PARAMETRIZATIONS
+from model.ffn.routers import ROUTERS
 from training.config import CONFIG_DIR
 
 STD, LAYERS, D = 0.02, 4, 128
@@ -104,6 +105,26 @@ def test_ffns_init_as_llama_and_deepseek_v3(shared):
         assert_normal(mlp.up_proj.weight, STD)
         assert_normal(mlp.down_proj.weight, STD * RESIDUAL)
     assert_normal(model.embed_tokens.weight, STD)
+
+
+@pytest.mark.parametrize("router", ROUTERS.names())
+def test_every_router_inits_its_own_parameters(router):
+    """Each router's init_parameters() (the MoE no longer touches the router): W_r N(0, initializer_range)
+    where there is one, reinforce's value head 0; written over NaN, as from_pretrained leaves missing ones."""
+    options = {"router": router, "router_options": {"baseline": "value"} if router == "reinforce" else {}}
+    model = build("softmax", ffn="moe", d=64, layers=2, ffn_options={"moe": options})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.initialize_weights()
+    params = dict(model.layers[1].ffn.router.named_parameters())
+    assert sorted(params) == {"hash": [], "reinforce": ["value", "weight"]}.get(router, ["weight"])
+    if "weight" in params:
+        assert_normal(params["weight"], STD)
+    if "value" in params:
+        assert torch.equal(params["value"], torch.zeros_like(params["value"]))
 
 
 @pytest.mark.parametrize("name", PARAMETRIZATIONS)

@@ -32,10 +32,9 @@ f = shares of the router's assignments (before capacity), P = mean_t p:
   token choice picks its experts from at most M groups (model/ffn/routers/routing.py).
 - Router z-loss (ST-MoE)  L_z = mean_t (logsumexp_i logits_{t,i})^2.
 - Auxiliary-loss-free balancing (DeepSeek-V3; the routers that take a selection bias: topk, reinforce):
-  per-expert selection counts are accumulated
-  over the training forwards of one optimizer step; after_optimizer_step() sums them over ranks and
-  sets b_i += gamma sign(mean_j load_j - load_i), then b -= mean(b); b is added to the scores for the
-  top-k selection only.
+  per-expert selection counts are accumulated over the training forwards of one optimizer step;
+  after_optimizer_step() sums them over ranks and sets b_i += gamma sign(mean_j load_j - load_i), then
+  b -= mean(b); the router adds b to its scores for the top-k selection only.
 - capacity_factor C (any router): each expert keeps at most ceil(C N k / E) assignments per forward,
   earliest tokens first; the rest are dropped (the token keeps its residual and shared path) and counted.
 
@@ -49,10 +48,9 @@ vectors load [E] and group_load [G].
 Init as DeepSeek-V3 / Qwen2-MoE (transformers' _init_weights of both): both expert weights
 N(0, initializer_range), the aux-free bias 0; the router (N(0, initializer_range) for those with
 weights) and the shared experts, a SwiGLU (Llama's MLP, as Qwen2-MoE's shared_expert), initialise
-themselves. Ours differs on purpose in one place, shared
-by every block: the experts' down projection, which writes into the residual stream, gets
-std * 1/sqrt(2 L) (model/layers.py residual_scale), or starts at 0 where the model's parametrization
-says so (model/config.py).
+themselves. Ours differs on purpose in one place, shared by every block: the experts' down
+projection, which writes into the residual stream, gets std * 1/sqrt(2 L) (model/layers.py
+residual_scale), or starts at 0 where the model's parametrization says so (model/config.py).
 """
 import dataclasses
 import math
