@@ -1,6 +1,7 @@
 """Hydra glue: one-line errors for unknown group choices, the `attention` alias of the mixer group,
 the rank-zero run-dir resolver, the blocks' option schemas, cfg -> LMConfig, and the config of a
 resumed run (its saved one, with what may change on resume)."""
+import dataclasses
 import os
 import sys
 import tempfile
@@ -70,8 +71,6 @@ def register_hydra() -> None:
     differs from the defaults, and mixer.options.<name>=<value> overrides any option. A dict option (the
     MoE's router_options) takes any key on the command line, ffn.options.router_options.<name>=<value>
     without a `+`: the part it configures (the router) checks its keys and values when the model is built."""
-    import dataclasses
-
     from hydra.core.config_store import ConfigStore
 
     from model import FFNS, MIXERS

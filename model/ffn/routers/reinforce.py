@@ -15,8 +15,9 @@ experts at training, and is trained by REINFORCE on the token's LM loss.
 Reward assignment: every layer's router gets the same per-token reward, the final LM loss of that
 token's prediction: each training forward subscribes on the aux channel (`aux.on_token_loss`), which
 `DecoderLM.forward` serves once it knows each token's loss; a layer is credited for the whole model's
-loss at that token, as in Clark et al. The gates carry the policy's probabilities, so the LM loss also reaches the router
-through them as with top-k (norm_topk_prob with k = 1 leaves REINFORCE the only signal).
+loss at that token, as in Clark et al. The gates carry the policy's probabilities, so the LM loss
+also reaches the router through them as with top-k (norm_topk_prob with k = 1 leaves REINFORCE the
+only signal).
 
 Options: loss_coef, entropy_coef, baseline, baseline_decay, norm_topk_prob, route_scale (the policy is
 a softmax over all experts: no score_func, no group limit).
