@@ -444,7 +444,7 @@ def test_flops_count_the_experts_each_router_runs():
 
 # ---- bad options: one line naming the key, the value and what is valid ----------------------------------------
 @pytest.mark.parametrize("options,message", [
-    (dict(router="nope"), "unknown moe router 'nope'; valid: balanced, expert_choice, hash, reinforce, topk"),
+    (dict(router="nope"), f"unknown moe router 'nope'; valid: {', '.join(ROUTERS.names())}"),  # the registry's, sorted
     (dict(router="reinforce", router_options=dict(score_func="sigmoid")),
      "unknown reinforce router option(s) ['score_func']; valid: route_scale, norm_topk_prob, loss_coef, entropy_coef, "
      "baseline, baseline_decay"),
