@@ -41,6 +41,17 @@ def assert_normal(w: torch.Tensor, std: float) -> None:
     assert (w**4).mean().item() / w.var().item() ** 2 > 2.5
 
 
+def reinitialised_over_nan(model: DecoderLM) -> DecoderLM:
+    """Every parameter NaN, then the model's init again, as for weights from_pretrained did not load."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.initialize_weights()
+    return model
+
+
 def assert_uniform(w: torch.Tensor, bound: float) -> None:
     """U(-bound, bound): inside the bound, reaching close to it, with std bound / sqrt(3)."""
     w = w.detach().double().flatten()
@@ -112,13 +123,7 @@ def test_every_router_inits_its_own_parameters(router):
     """Each router's init_parameters() (the MoE no longer touches the router): W_r N(0, initializer_range)
     where there is one, reinforce's value head 0; written over NaN, as from_pretrained leaves missing ones."""
     options = {"router": router, "router_options": {"baseline": "value"} if router == "reinforce" else {}}
-    model = build("softmax", ffn="moe", d=64, layers=2, ffn_options={"moe": options})
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    for module in model.modules():
-        module._is_hf_initialized = False
-    model.initialize_weights()
+    model = reinitialised_over_nan(build("softmax", ffn="moe", d=64, layers=2, ffn_options={"moe": options}))
     params = dict(model.layers[1].ffn.router.named_parameters())
     assert sorted(params) == {"hash": [], "reinforce": ["value", "weight"]}.get(router, ["weight"])
     if "weight" in params:
@@ -171,14 +176,8 @@ def test_per_mixer_parametrization_is_the_mixers_declared_one(mixer, declared):
 @pytest.mark.parametrize("ffn", ("dense", "moe"))
 def test_init_reaches_every_parameter(attention, ffn):
     """Every parameter is written by some init (from_pretrained leaves missing ones uninitialised)."""
-    model = build(attention, ffn, d=64, layers=2, tie_word_embeddings=False,
-                  ffn_options={"moe": {"num_shared_experts": 1, "aux_free_bias": True}})
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    for module in model.modules():
-        module._is_hf_initialized = False
-    model.initialize_weights()
+    model = reinitialised_over_nan(build(attention, ffn, d=64, layers=2, tie_word_embeddings=False,
+                                         ffn_options={"moe": {"num_shared_experts": 1, "aux_free_bias": True}}))
     assert [name for name, p in model.named_parameters() if not p.isfinite().all()] == []
 
 
