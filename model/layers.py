@@ -25,22 +25,26 @@ class AuxCollector:
     `add_loss(name, value, coef)`: coef * value is added to the training loss; the unscaled value is
     logged under `name`. `add_metric(name, value)`: logged only (a detached scalar or a vector).
     Values under one name from several layers are averaged for logging; per-layer copies may be
-    reported under their own names too. `on_reward(consume)`: a block whose loss needs each token's
-    reward (a REINFORCE router) registers `consume(aux, reward [N], labelled [N])`; the model calls
-    `give_reward` with -CE per token once its LM loss is known, before `total_loss`.
+    reported under their own names too. `on_token_loss(consume)`: a block whose loss needs each token's
+    LM loss (the REINFORCE router) subscribes `consume(aux, token_loss [N], labelled [N])`; the model
+    calls `give_token_loss` once its LM loss is known, before `total_loss`.
     """
 
     def __init__(self):
         self.losses: dict[str, list[tuple[torch.Tensor, float]]] = {}
         self.metrics: dict[str, list[torch.Tensor]] = {}
-        self.reward_consumers: list = []
+        self.token_loss_consumers: list = []
 
-    def on_reward(self, consume) -> None:
-        self.reward_consumers.append(consume)
+    def on_token_loss(self, consume) -> None:
+        self.token_loss_consumers.append(consume)
 
-    def give_reward(self, reward: torch.Tensor, labelled: torch.Tensor) -> None:
-        for consume in self.reward_consumers:
-            consume(self, reward.detach(), labelled)
+    def give_token_loss(self, token_loss, labelled: torch.Tensor) -> None:
+        """token_loss(): each token's loss [N], computed only if some block subscribed; labelled [N] bool:
+        the tokens that have a label (the loss of the others is not used)."""
+        if self.token_loss_consumers:
+            loss = token_loss().detach()
+            for consume in self.token_loss_consumers:
+                consume(self, loss, labelled)
 
     def add_loss(self, name: str, value: torch.Tensor, coef: float) -> None:
         self.losses.setdefault(name, []).append((value, coef))

@@ -174,15 +174,11 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             # Shift the labels, not the logits: position t predicts labels[t + 1]; the last position
             # gets -100. Slicing the logits instead would copy the whole [B, T, V] tensor.
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-            if aux.reward_consumers:  # router=reinforce: each token's reward is its own -CE
-                token_loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(),
-                                             ignore_index=-100, reduction="none")
-                labelled = targets.flatten() != -100
-                lm_loss = token_loss.sum() / labelled.sum()
-                aux.give_reward(-token_loss, labelled)
-            else:
-                lm_loss = F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets.flatten(), ignore_index=-100)
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()
+            flat = at_least_fp32(logits.flatten(0, 1))
+            lm_loss = F.cross_entropy(flat, targets, ignore_index=-100)
+            aux.give_token_loss(lambda: F.cross_entropy(flat.detach(), targets, ignore_index=-100, reduction="none"),
+                                targets != -100)
             aux_loss = aux.total_loss()
             loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         return LMOutput(

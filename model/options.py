@@ -2,7 +2,9 @@
 attribute `Options` of the block, fields built with `option`); `parse_options` builds it from a
 config's dict and is the one place its values are checked. Hydra reads the same dataclasses
 (training/config.py stores them as the schema of configs/mixer/*.yaml and configs/ffn/*.yaml
-`options`), and LMConfig keeps them as plain dicts, as config.json stores them.
+`options`), and LMConfig keeps them as plain dicts, as config.json stores them. A dict field holds the
+options of a part the block picks by another option (the MoE's router_options, checked by the router's
+own Options).
 
 Checks that need the model's config (a head count dividing a width) stay in the block, with the
 message `bad_option` writes."""
@@ -62,6 +64,6 @@ def _check(block: str, f: dataclasses.Field, annotation, value) -> None:
         at_most is None or value <= at_most)
     if not ok:
         bounds = [f"{sign} {bound}" for sign, bound in ((">=", at_least), (">", above), ("<=", at_most)) if bound is not None]
-        valid = " ".join([{bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind],
+        valid = " ".join([{bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}[kind],
                           " and ".join(bounds)]).strip()
         raise bad_option(block, f.name, value, valid + (" or null" if nullable else ""))

@@ -5,7 +5,7 @@ EP ranks of a (W / EP) x EP mesh (training/parallel.py), against the same layer 
 
 Each rank routes its own tokens. The reference: the unsplit layer on every rank's tokens, the loss the
 mean over ranks of <y_r, g_r> (g_r fixed random) plus the layer's aux losses (router=reinforce's with
-the token rewards -<y_t, g_t>), its gradients. The split layer: each rank's loss backward, the router's and shared experts' gradients averaged over all ranks (as DDP does),
+the token losses <y_t, g_t>), its gradients. The split layer: each rank's loss backward, the router's and shared experts' gradients averaged over all ranks (as DDP does),
 the experts' through reduce_and_clip_gradients. The main process writes OUT/ep<EP>_world<W>.json: the sizes that
 ran and, per router, the largest difference of outputs, input gradients, router and expert gradients
 and the gradient norm from the reference's."""
@@ -21,7 +21,7 @@ ROUTERS = {
     "expert_choice": dict(),
     "hash": dict(),
     "balanced": dict(),
-    "reinforce": dict(reinforce_baseline="value", reinforce_entropy_coef=0.01),
+    "reinforce": dict(router_options=dict(baseline="value", entropy_coef=0.01)),
 }
 E, D, TOKENS = 8, 16, 24
 
@@ -35,6 +35,7 @@ def layer(router: str):
                       ffn="moe", ffn_options={"moe": dict(router=router, num_experts=E, top_k=2, expert_intermediate_size=8,
                                                           num_shared_experts=1, **ROUTERS[router])})
     moe = MoE(config).double()
+    moe.router.init_parameters()
     moe.init_parameters()
     return moe
 
@@ -47,12 +48,12 @@ def inputs(rank: int):
 
 def loss(moe, x, ids, g):
     """The layer's output and a loss: <y, g> plus its aux losses, the REINFORCE router's with the
-    token rewards -<y_t, g_t>."""
+    token losses <y_t, g_t>."""
     from model.layers import AuxCollector
 
     aux = AuxCollector()
     y = moe(x, aux, token_ids=ids)
-    aux.give_reward(-(y * g).sum(-1), torch.ones(len(x), dtype=torch.bool))
+    aux.give_token_loss(lambda: (y * g).sum(-1), torch.ones(len(x), dtype=torch.bool))
     extra = aux.total_loss()  # None for hash: no scores, no losses
     return y, (y * g).sum() + (0 if extra is None else extra)
 

@@ -18,11 +18,11 @@ from omegaconf import OmegaConf
 
 LOSSES = dict(balance_loss_coef=0.1, sequence_balance_loss_coef=0.1, group_balance_loss_coef=0.1)
 ROUTERS = {
-    "topk": dict(max_groups_per_token=1, aux_free_bias=True, **LOSSES),
-    "expert_choice": dict(expert_choice_capacity_factor=0.75, **LOSSES),
+    "topk": dict(router_options=dict(max_groups_per_token=1), aux_free_bias=True, **LOSSES),
+    "expert_choice": dict(router_options=dict(capacity_factor=0.75), **LOSSES),
     "hash": dict(),  # no router scores, so no balance losses
     "balanced": dict(**LOSSES),
-    "reinforce": dict(aux_free_bias=True, reinforce_baseline="value", reinforce_entropy_coef=0.01, **LOSSES),
+    "reinforce": dict(aux_free_bias=True, router_options=dict(baseline="value", entropy_coef=0.01), **LOSSES),
 }
 SHAPE = dict(num_experts=4, top_k=2, expert_intermediate_size=16, num_expert_groups=2)
 BATCH, SEQ_LEN, VOCAB = 8, 16, 64

@@ -85,7 +85,7 @@ def test_yaml_options_are_fields_that_differ_from_the_defaults(group):
             continue
         with_options += 1
         assert f"/{group}_options/{name}@options" in raw["defaults"], name
-        defaults = {f.name: f.default for f in dataclasses.fields(options_class)}
+        defaults = dataclasses.asdict(options_class())
         for key, value in given.items():
             assert key in defaults, f"configs/{group}/{name}.yaml: {key} is not a field of {options_class.__name__}"
             assert value != defaults[key], f"configs/{group}/{name}.yaml: {key}={value!r} repeats the default"
@@ -104,6 +104,10 @@ def test_yaml_options_are_fields_that_differ_from_the_defaults(group):
                                           "state_size, n_groups, conv_size, chunk_size"),
     ("ffn", "moe", {"capacity_factor": 0}, "moe capacity_factor=0; valid: a number > 0 or null"),
     ("ffn", "moe", {"balance_loss_coef": -1.0}, "moe balance_loss_coef=-1.0; valid: a number >= 0"),
+    ("ffn", "moe", {"router": "expert_choice", "router_options": {"capacity_factor": 0}},
+     "expert_choice router capacity_factor=0; valid: a number > 0"),
+    ("ffn", "moe", {"router": "hash", "router_options": {"score_func": "sigmoid"}},
+     "unknown hash router option(s) ['score_func']; valid: route_scale, norm_topk_prob"),
 ])
 def test_bad_option_is_one_line_naming_block_option_value_and_valid(kind, name, options, message):
     from model import DecoderLM, LMConfig
@@ -113,6 +117,20 @@ def test_bad_option_is_one_line_naming_block_option_value_and_valid(kind, name, 
     with pytest.raises(ValueError) as e:
         DecoderLM(config)
     assert str(e.value) == message
+
+
+def test_router_options_on_the_command_line():
+    """ffn.options.router_options.<name>=<value> needs no `+` and reaches the chosen router, which alone
+    checks its keys (no other router's options in the config)."""
+    from model import DecoderLM
+
+    cfg = compose_train("ffn=moe", "ffn.options.router=expert_choice", "ffn.options.router_options.capacity_factor=2")
+    assert OmegaConf.to_container(cfg.ffn.options.router_options) == {"capacity_factor": 2}
+    router = DecoderLM(lm_config(cfg, vocab_size=97, eos_token_id=0)).layers[0].ffn.router
+    assert router.options.capacity_factor == 2 and router.experts_per_token() == 2 * cfg.ffn.options.top_k
+    cfg = compose_train("ffn=moe", "ffn.options.router_options.capacity_factor=2")  # topk's options have no such key
+    with pytest.raises(ValueError, match=r"^unknown topk router option\(s\) \['capacity_factor'\]; valid: "):
+        DecoderLM(lm_config(cfg, vocab_size=97, eos_token_id=0))
 
 
 def test_trainer_lr_defaults_to_the_mixers_tuned_lr_for_the_optimizer():

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from data.mqar import mqar_slice
 from model import DecoderLM, LMConfig
 from model.config import PARAMETRIZATIONS
+from model.ffn.routers import ROUTERS
 from training.config import CONFIG_DIR
 
 STD, LAYERS, D = 0.02, 4, 128
@@ -38,6 +39,17 @@ def assert_normal(w: torch.Tensor, std: float) -> None:
     assert w.std().item() == pytest.approx(std, rel=0.08)
     assert abs(w.mean().item()) < 4 * std / math.sqrt(w.numel())
     assert (w**4).mean().item() / w.var().item() ** 2 > 2.5
+
+
+def reinitialised_over_nan(model: DecoderLM) -> DecoderLM:
+    """Every parameter NaN, then the model's init again, as for weights from_pretrained did not load."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.initialize_weights()
+    return model
 
 
 def assert_uniform(w: torch.Tensor, bound: float) -> None:
@@ -106,6 +118,20 @@ def test_ffns_init_as_llama_and_deepseek_v3(shared):
     assert_normal(model.embed_tokens.weight, STD)
 
 
+@pytest.mark.parametrize("router", ROUTERS.names())
+def test_every_router_inits_its_own_parameters(router):
+    """Each router's init_parameters() (the MoE no longer touches the router): W_r N(0, initializer_range)
+    where there is one, reinforce's value head 0; written over NaN, as from_pretrained leaves missing ones."""
+    options = {"router": router, "router_options": {"baseline": "value"} if router == "reinforce" else {}}
+    model = reinitialised_over_nan(build("softmax", ffn="moe", d=64, layers=2, ffn_options={"moe": options}))
+    params = dict(model.layers[1].ffn.router.named_parameters())
+    assert sorted(params) == {"hash": [], "reinforce": ["value", "weight"]}.get(router, ["weight"])
+    if "weight" in params:
+        assert_normal(params["weight"], STD)
+    if "value" in params:
+        assert torch.equal(params["value"], torch.zeros_like(params["value"]))
+
+
 @pytest.mark.parametrize("name", PARAMETRIZATIONS)
 def test_parametrization_starts_the_model_as_declared(name):
     """The embedding N(0, 1/d) or N(0, 0.02), lm_head tied or N(0, 0.02), the mixer's residual write at 0.02 times
@@ -150,14 +176,8 @@ def test_per_mixer_parametrization_is_the_mixers_declared_one(mixer, declared):
 @pytest.mark.parametrize("ffn", ("dense", "moe"))
 def test_init_reaches_every_parameter(mixer, ffn):
     """Every parameter is written by some init (from_pretrained leaves missing ones uninitialised)."""
-    model = build(mixer, ffn, d=64, layers=2, tie_word_embeddings=False,
-                  ffn_options={"moe": {"num_shared_experts": 1, "aux_free_bias": True}})
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    for module in model.modules():
-        module._is_hf_initialized = False
-    model.initialize_weights()
+    model = reinitialised_over_nan(build(mixer, ffn, d=64, layers=2, tie_word_embeddings=False,
+                                         ffn_options={"moe": {"num_shared_experts": 1, "aux_free_bias": True}}))
     assert [name for name, p in model.named_parameters() if not p.isfinite().all()] == []
 
 

@@ -21,6 +21,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 def make_moe(d=12, layers=2, **options) -> MoE:
     config = LMConfig(hidden_size=d, num_hidden_layers=layers, ffn="moe", ffn_options={"moe": options})
     m = MoE(config, layer_idx=1)
+    m.router.init_parameters()
     m.init_parameters()
     return m
 
@@ -48,12 +49,12 @@ def naive_moe(m: MoE, x: torch.Tensor) -> torch.Tensor:
     out = torch.zeros_like(xf)
     for t in range(N):
         logits = m.router.weight @ xf[t]
-        s = torch.softmax(logits, 0) if m.router.score_func == "softmax" else torch.sigmoid(logits)
+        s = torch.softmax(logits, 0) if m.router.options.score_func == "softmax" else torch.sigmoid(logits)
         choice = s + (m.expert_bias if m.aux_free_bias else 0)
         chosen = sorted(range(E), key=lambda i: -float(choice[i]))[:k]
         total = sum(s[i] for i in chosen)
         for i in chosen:
-            g = (s[i] / total if m.router.norm_topk_prob else s[i]) * m.router.route_scale
+            g = (s[i] / total if m.router.options.norm_topk_prob else s[i]) * m.router.options.route_scale
             if used[i] >= capacity:
                 continue
             used[i] += 1
@@ -66,11 +67,11 @@ def naive_moe(m: MoE, x: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("options", [
-    dict(top_k=1, norm_topk_prob=False),
+    dict(top_k=1, router_options=dict(norm_topk_prob=False)),
     dict(top_k=2),
-    dict(top_k=3, num_shared_experts=2, score_func="sigmoid", route_scale=2.5),
+    dict(top_k=3, num_shared_experts=2, router_options=dict(score_func="sigmoid", route_scale=2.5)),
     dict(top_k=2, capacity_factor=0.7),
-    dict(top_k=1, capacity_factor=0.5, num_shared_experts=1, norm_topk_prob=False),
+    dict(top_k=1, capacity_factor=0.5, num_shared_experts=1, router_options=dict(norm_topk_prob=False)),
     dict(top_k=2, aux_free_bias=True, capacity_factor=1.0),
 ])
 def test_dispatch_matches_per_token_reference(options):
@@ -114,7 +115,7 @@ def test_experts_loop_and_grouped_mm_agree():
 
 @pytest.mark.parametrize("top_k,norm", [(1, False), (2, True)])
 def test_router_gets_gradient_through_gates(top_k, norm):
-    m = randomise(make_moe(num_experts=4, top_k=top_k, norm_topk_prob=norm, expert_intermediate_size=5))
+    m = randomise(make_moe(num_experts=4, top_k=top_k, router_options=dict(norm_topk_prob=norm), expert_intermediate_size=5))
     m(torch.randn(20, 12)).square().sum().backward()  # no aux: only the gates reach the router
     assert m.router.weight.grad is not None and m.router.weight.grad.abs().sum() > 0
 
@@ -268,7 +269,7 @@ def routed_output_cost(model: DecoderLM, data: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("ffn,options", [
     ("moe", dict(aux_free_bias=True, num_shared_experts=1)),
-    (["dense", "moe"], dict(capacity_factor=1.25, score_func="sigmoid")),
+    (["dense", "moe"], dict(capacity_factor=1.25, router_options=dict(score_func="sigmoid"))),
 ])
 def test_tiny_lm_trains(ffn, options):
     """The loss falls, and what was learnt runs through the routed experts: cutting them out (shared
@@ -326,7 +327,7 @@ def test_accounting_checkpoint_roundtrip_and_decoding(tmp_path):
 
 def test_bad_options():
     with pytest.raises(ValueError, match="score_func"):
-        make_moe(score_func="relu")
+        make_moe(router_options=dict(score_func="relu"))
     with pytest.raises(ValueError, match="top_k"):
         make_moe(num_experts=4, top_k=5)
     with pytest.raises(ValueError, match="unknown moe option"):

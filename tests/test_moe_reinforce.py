@@ -2,7 +2,7 @@
 computation (k = 1 and Plackett-Luce k = 2), exactly 0 when every reward equals the baseline, greedy
 evaluation equal to top-k on the same logits, sampling frequencies against the policy on 10^5 draws
 (chi-square), sampling seeded per token (layout-independent, new each step), the baselines, the
-reward the model hands over (-CE per token) and the telemetry. DDP, EP, decoding and export: with
+token losses the model hands over through the aux channel (reward -CE per token) and the telemetry. DDP, EP, decoding and export: with
 the other routers in tests/test_moe_routers_ddp.py, tests/test_expert_parallel.py and
 tests/test_moe_routers.py."""
 import pytest
@@ -18,12 +18,21 @@ F64 = torch.float64
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def router(E=4, k=1, d=6, seed=0, **options) -> Reinforce:
+def router(E=4, k=1, d=6, seed=0, layer_idx=0, **options) -> Reinforce:
     torch.manual_seed(seed)
-    r = Reinforce(d, MoEOptions(router="reinforce", num_experts=E, top_k=k, **options)).double()
+    moe = MoEOptions(router="reinforce", num_experts=E, top_k=k, router_options=options)
+    r = Reinforce(LMConfig(hidden_size=d), layer_idx, moe).double()
     with torch.no_grad():
         r.weight.normal_(0, 1)
     return r.train()
+
+
+def reinforce_losses(r: Reinforce, x, ids, token_loss, labelled=None, bias=None) -> AuxCollector:
+    """A training forward with the aux channel, then the token losses the model would hand over."""
+    aux = AuxCollector()
+    r(x, ids, bias, aux)
+    aux.give_token_loss(lambda: token_loss, torch.ones(len(x), dtype=torch.bool) if labelled is None else labelled)
+    return aux
 
 
 def set_baseline(r: Reinforce, value: float) -> None:
@@ -38,16 +47,15 @@ def test_reinforce_gradient_by_hand(k):
     """L = coef mean_t -(r_t - b) log pi(e_t) over the labelled tokens; d log pi / dz for the ordered
     draw: sum_j onehot(e_j) - softmax(z without e_1..e_{j-1})."""
     N, E, d = 7, 4, 6
-    r = router(E, k, d, reinforce_loss_coef=0.3)
+    r = router(E, k, d, loss_coef=0.3)
     set_baseline(r, -2.0)
     x = torch.randn(N, d, generator=torch.Generator().manual_seed(1), dtype=F64)
-    routing = r(x, torch.arange(N).view(1, N))
-    experts = routing.expert.view(N, k)
+    ids = torch.arange(N).view(1, N)
+    experts = r(x, ids).expert.view(N, k)
     reward = torch.randn(N, generator=torch.Generator().manual_seed(2), dtype=F64) - 2
     labelled = torch.ones(N, dtype=torch.bool)
     labelled[3] = False
-    aux = AuxCollector()
-    r.reinforce(aux, reward, labelled, tag="t", policy=routing.policy)
+    aux = reinforce_losses(r, x, ids, -reward, labelled)
     (value, coef), = aux.losses["moe/reinforce_loss"]
     assert coef == 0.3
     (coef * value).backward()
@@ -59,13 +67,13 @@ def test_reinforce_gradient_by_hand(k):
     if k == 2:
         p1 = p.gather(1, experts[:, :1])[:, 0]
         want_logp = want_logp + (p.gather(1, experts[:, 1:])[:, 0] / (1 - p1)).log()
-    torch.testing.assert_close(routing.policy.log_prob.detach(), want_logp, rtol=1e-12, atol=1e-12)
+    advantage = (reward - (-2.0)) * labelled
+    torch.testing.assert_close(value.detach(), -(advantage * want_logp).sum() / labelled.sum(), rtol=1e-12, atol=1e-12)
     dz = torch.zeros(N, E, dtype=F64)
     removed = torch.zeros(N, E, dtype=torch.bool)
     for j in range(k):
         dz += torch.nn.functional.one_hot(experts[:, j], E) - z.masked_fill(removed, float("-inf")).softmax(-1)
         removed[torch.arange(N), experts[:, j]] = True
-    advantage = (reward - (-2.0)) * labelled
     dz = -0.3 * advantage[:, None] * dz / labelled.sum()
     torch.testing.assert_close(r.weight.grad, dz.t() @ x, rtol=1e-12, atol=1e-12)
 
@@ -74,9 +82,7 @@ def test_no_policy_gradient_when_every_reward_is_the_baseline():
     r = router(E=4, k=2)
     set_baseline(r, -3.25)
     x = torch.randn(9, 6, dtype=F64)
-    routing = r(x, torch.arange(9).view(1, 9))
-    aux = AuxCollector()
-    r.reinforce(aux, torch.full((9,), -3.25, dtype=F64), torch.ones(9, dtype=torch.bool), tag="t", policy=routing.policy)
+    aux = reinforce_losses(r, x, torch.arange(9).view(1, 9), torch.full((9,), 3.25, dtype=F64))
     (value, coef), = aux.losses["moe/reinforce_loss"]
     (value * coef).backward()
     assert r.weight.grad is not None and torch.equal(r.weight.grad, torch.zeros_like(r.weight))
@@ -84,14 +90,15 @@ def test_no_policy_gradient_when_every_reward_is_the_baseline():
 
 def test_greedy_evaluation_is_topk_on_the_same_logits():
     r = router(E=8, k=2, d=6)
-    top = TopK(6, MoEOptions(num_experts=8, top_k=2)).double()
+    top = TopK(LMConfig(hidden_size=6), 0, MoEOptions(num_experts=8, top_k=2)).double()
     top.weight.data.copy_(r.weight.data)
     x = torch.randn(50, 6, dtype=F64)
     r.eval()
-    a, b, c = r(x), r(x), top(x)
+    aux = AuxCollector()
+    a, b, c = r(x, None, None, aux), r(x), top(x)
     assert torch.equal(a.expert, b.expert) and torch.equal(a.expert, c.expert)
     torch.testing.assert_close(a.gate, c.gate, rtol=0, atol=0)
-    assert a.policy is None
+    assert not aux.token_loss_consumers  # greedy: no policy to train
     r.train()
     sampled = r(x, torch.arange(50).view(1, 50))
     assert not torch.equal(sampled.expert, a.expert)  # training samples (here: 50 tokens, near-uniform-ish policy)
@@ -136,30 +143,29 @@ def test_sampling_is_seeded_per_token_and_new_each_step():
     assert torch.equal(context_keys(ids).view(4, 10)[2:], context_keys(ids[2:]).view(2, 10))
     r.steps += 1
     assert not torch.equal(r(x, ids).expert.view(4, 10, 2), whole)
-    r.steps -= 1
-    r.layer_idx = 1
-    assert not torch.equal(r(x, ids).expert.view(4, 10, 2), whole)
+    other_layer = router(E=8, k=2, d=6, layer_idx=1)  # the same weights
+    assert torch.equal(other_layer.weight, r.weight) and not torch.equal(other_layer(x, ids).expert.view(4, 10, 2), whole)
 
 
 def test_the_moving_average_baseline():
     """Before any update the forward's own mean reward; then the bias-corrected moving average of each
     optimizer step's mean reward (over all of the step's forwards)."""
-    r = router(E=4, k=1, reinforce_baseline_decay=0.9)
+    r = router(E=4, k=1, baseline_decay=0.9)
     x = torch.randn(6, 6, dtype=F64)
     ids = torch.arange(6).view(1, 6)
-    assert r.baseline() is None
-    labelled = torch.ones(6, dtype=torch.bool)
-    for rewards in ([-1.0] * 6, [-3.0] * 6):  # two forwards of one step: mean -2
-        aux = AuxCollector()
-        r.reinforce(aux, torch.tensor(rewards, dtype=F64), labelled, tag="t", policy=r(x, ids).policy)
-    assert aux.metrics["moe/baseline"][0].item() == pytest.approx(-3.0)  # the forward's own mean
+
+    def baseline_of_a_forward(reward: float) -> float:
+        aux = reinforce_losses(r, x, ids, torch.full((6,), -reward, dtype=F64))
+        return aux.metrics["moe/baseline"][0].item()
+
+    assert baseline_of_a_forward(-1.0) == pytest.approx(-1.0)  # two forwards of one step, mean -2: before
+    assert baseline_of_a_forward(-3.0) == pytest.approx(-3.0)  # any update, each forward's own mean
     r.after_optimizer_step()
-    assert r.baseline().item() == pytest.approx(-2.0)  # bias-corrected: exactly the first step's mean
-    aux = AuxCollector()
-    r.reinforce(aux, torch.full((6,), -4.0, dtype=F64), labelled, tag="t", policy=r(x, ids).policy)
+    assert r.steps.item() == 1
+    assert baseline_of_a_forward(-4.0) == pytest.approx(-2.0)  # bias-corrected: exactly the first step's mean
     r.after_optimizer_step()
     m = 0.9 * 0.1 * -2.0 + 0.1 * -4.0
-    assert r.baseline().item() == pytest.approx(m / (1 - 0.9**2))
+    assert baseline_of_a_forward(0.0) == pytest.approx(m / (1 - 0.9**2))
 
 
 def tiny_lm(**options) -> DecoderLM:
@@ -175,7 +181,7 @@ def test_the_model_hands_each_router_minus_ce_and_logs_the_policy(baseline):
     """The reward of each router is the token's own -CE: its mean over the labelled tokens equals
     -lm_loss; the policy's telemetry is logged per layer and averaged; the value head (baseline=value)
     learns from its own loss only, and takes the router's input detached."""
-    model = tiny_lm(reinforce_baseline=baseline, reinforce_entropy_coef=0.01).train()
+    model = tiny_lm(router_options=dict(baseline=baseline, entropy_coef=0.01)).train()
     ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(4))
     out = model(ids, labels=ids)
     m = out.aux_metrics
@@ -190,7 +196,7 @@ def test_the_model_hands_each_router_minus_ce_and_logs_the_policy(baseline):
     assert router.weight.grad.abs().sum() > 0
     if baseline == "value":
         assert router.value.grad.abs().sum() > 0 and "moe/reinforce_value_loss" in m
-        value_only = tiny_lm(reinforce_baseline="value").train()
+        value_only = tiny_lm(router_options=dict(baseline="value")).train()
         out = value_only(ids, labels=ids)
         value_only.zero_grad()
         out.aux_loss.backward()  # only the aux losses: the value loss must not reach the embeddings
@@ -203,14 +209,17 @@ def test_aux_free_bias_shifts_the_policy():
     """The aux-free bias is a logit shift of the policy: greedy = topk(z + b), and log pi is the
     biased softmax's (the distribution sampled)."""
     r = router(E=4, k=1)
+    set_baseline(r, 0.0)
     x = torch.randn(30, 6, dtype=F64)
+    ids = torch.arange(30).view(1, 30)
     bias = torch.tensor([0.0, 0.0, 0.0, 50.0], dtype=F64)
     r.eval()
     assert (r(x, None, bias).expert == 3).all()
     r.train()
-    routing = r(x, torch.arange(30).view(1, 30), bias)
-    assert (routing.expert == 3).all()
-    torch.testing.assert_close(routing.policy.log_prob, (x @ r.weight.t() + bias).log_softmax(-1)[:, 3])
+    assert (r(x, ids, bias).expert == 3).all()
+    aux = reinforce_losses(r, x, ids, torch.full((30,), -1.0, dtype=F64), bias=bias)  # advantage 1: L = -mean log pi
+    (value, _), = aux.losses["moe/reinforce_loss"]
+    torch.testing.assert_close(value, -(x @ r.weight.t() + bias).log_softmax(-1)[:, 3].mean())
 
 
 def test_sample_log_prob_sums_the_slots():

@@ -5,6 +5,7 @@ function of the id; balanced: N k / E tokens per expert); group-limited token ch
 groups; the sequence-wise and device-level losses by hand; which parameters get gradients
 (finite differences through each router); decoding with the cache and the HF round trip for every
 router; evaluation with training routing; and the one-line errors. DDP: tests/test_moe_routers_ddp.py."""
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -15,14 +16,15 @@ import torch.nn.functional as F
 
 from model import DecoderLM, LMConfig
 from model.ffn.moe import MoE, batch_routing_at_eval
+from model.ffn.routers import ROUTERS
 from model.ffn.routers.balanced import balanced_assignment
 from model.ffn.routers.hash import KNUTH
 from model.ffn.routers.routing import token_choice
+from model.ffn.routers.topk import TopKOptions
 from model.layers import AuxCollector
 from test_moe import make_moe, randomise
 
 F64 = torch.float64
-ROUTERS = ["topk", "expert_choice", "hash", "balanced", "reinforce"]
 REFERENCE = Path(__file__).parent / "data" / "moe_topk_reference.pt"
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,12 +37,18 @@ def close(actual, expected, dtype):
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol)
 
 
+def split_options(flat: dict) -> dict:
+    """The reference's options, the MoE's and top-k's in one dict as they were then: top-k's in router_options."""
+    own = {f.name for f in dataclasses.fields(TopKOptions)}
+    return {**{k: v for k, v in flat.items() if k not in own}, "router_options": {k: v for k, v in flat.items() if k in own}}
+
+
 @pytest.mark.parametrize("case", range(7))
 def test_topk_layer_reproduces_the_values_before_routers(case):
     """tests/data/make_moe_topk_reference.py ran on the code before the refactor: same weights and
     inputs give the same output, gradients (of an output projection + the aux losses) and metrics."""
     ref = torch.load(REFERENCE, weights_only=False)["layers"][case]
-    m = make_moe(num_experts=6, expert_intermediate_size=7, **ref["options"]).to(ref["dtype"])
+    m = make_moe(num_experts=6, expert_intermediate_size=7, **split_options(ref["options"])).to(ref["dtype"])
     assert m.router.__class__.__name__ == "TopK"  # the default router
     m.load_state_dict(ref["state"])
     x = ref["x"].clone().requires_grad_()
@@ -114,7 +122,7 @@ def naive_expert_layer(m: MoE, x: torch.Tensor, chosen: dict[int, list[int]], ga
 @pytest.mark.parametrize("N,k,factor", [(12, 2, 1.0), (10, 2, 0.6), (9, 1, 2.0), (5, 3, 2.0)])
 def test_expert_choice_takes_each_experts_C_best_tokens(N, k, factor):
     E = 4
-    m, x = scores_layer("expert_choice", N=N, E=E, top_k=k, expert_choice_capacity_factor=factor, route_scale=1.5)
+    m, x = scores_layer("expert_choice", N=N, E=E, top_k=k, router_options=dict(capacity_factor=factor, route_scale=1.5))
     m.train()
     s = torch.softmax(x @ m.router.weight.T, -1).detach()
     C = min(N, math.ceil(factor * N * k / E))
@@ -137,18 +145,19 @@ def test_expert_choice_takes_each_experts_C_best_tokens(N, k, factor):
 
 
 def test_expert_choice_evaluates_with_token_choice_and_batch_routing_on_request():
-    m, x = scores_layer("expert_choice", N=10, top_k=2, route_scale=1.5)
+    m, x = scores_layer("expert_choice", N=10, top_k=2, router_options=dict(route_scale=1.5))
     s = torch.softmax(x @ m.router.weight.T, -1).detach()
     m.eval()
     top = {i: [t for t in range(10) if i in sorted(range(4), key=lambda j: -float(s[t, j]))[:2]] for i in range(4)}
-    torch.testing.assert_close(m(x), naive_expert_layer(m, x, top, lambda t, i: 1.5 * s[t, i]), rtol=1e-12, atol=1e-12)
+    token_choice_y = m(x)
+    torch.testing.assert_close(token_choice_y, naive_expert_layer(m, x, top, lambda t, i: 1.5 * s[t, i]), rtol=1e-12, atol=1e-12)
     m.train()
     trained = m(x)
     m.eval()
     with batch_routing_at_eval(m) as any_batch_router:
         assert any_batch_router
         torch.testing.assert_close(m(x), trained, rtol=0, atol=0)
-    assert not m.router.eval_batch_routing  # restored
+    torch.testing.assert_close(m(x), token_choice_y, rtol=0, atol=0)  # token choice again after the context
 
 
 def hash_experts(token_id: int, E: int, k: int) -> list[int]:
@@ -275,7 +284,7 @@ def test_group_limited_routing_stays_within_M_groups(E, G, M, k):
 
 def test_group_limited_topk_layer_and_group_load():
     """Through the layer: every token's experts within M groups; per-group load = sum of its experts'."""
-    m, x = scores_layer("topk", N=40, E=8, top_k=3, num_expert_groups=4, max_groups_per_token=2)
+    m, x = scores_layer("topk", N=40, E=8, top_k=3, num_expert_groups=4, router_options=dict(max_groups_per_token=2))
     m.train()
     aux = AuxCollector()
     m(x, aux)
@@ -360,10 +369,10 @@ def test_balance_losses_are_one_when_balanced_and_group_loss_sees_groups_only():
 
 
 # ---- gradients --------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", ROUTERS.names())  # every registered router
 def test_gradients_reach_exactly_the_routers_parameters(router):
     """Finite differences through the whole layer (training routing) in float64; then which
-    parameters get a gradient: the router weight for every router that has one (hash has none)."""
+    parameters get a gradient: every parameter of the router (hash has none)."""
     m, x = scores_layer(router, N=9, E=4, top_k=2, num_shared_experts=1)
     m.train()
     x.requires_grad_()
@@ -373,9 +382,8 @@ def test_gradients_reach_exactly_the_routers_parameters(router):
     m(x, None, torch.arange(9)).square().sum().backward()
     with_grad = sorted(n for n, p in m.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0)
     expected = ["down_proj", "gate_up_proj", "shared.down_proj.weight", "shared.gate_proj.weight", "shared.up_proj.weight"]
-    if router != "hash":
-        expected = sorted(expected + ["router.weight"])
-    assert with_grad == expected
+    assert with_grad == sorted(expected + [f"router.{name}" for name, _ in m.router.named_parameters()])
+    assert (router == "hash") == (not list(m.router.parameters()))
 
 
 # ---- decoding and export -----------------------------------------------------------------------------------
@@ -387,7 +395,7 @@ def tiny_router_lm(router: str, **options) -> DecoderLM:
     return DecoderLM(config)
 
 
-@pytest.mark.parametrize("router", ROUTERS)
+@pytest.mark.parametrize("router", ROUTERS.names())  # every registered router
 def test_decode_and_export_for_every_router(router, tmp_path):
     """Evaluation routing is per token for every router: prefill + one-token steps with the cache give
     the full forward's logits, generate with the cache equals generate without; save_pretrained /
@@ -413,7 +421,7 @@ def test_decode_and_export_for_every_router(router, tmp_path):
 def test_evaluation_with_training_routing_differs_from_token_choice(router):
     """The two evaluation routings of a non-causal router: token choice (default) and, under
     batch_routing_at_eval, the training routing over the batch, which equals the training forward."""
-    model = tiny_router_lm(router, expert_choice_capacity_factor=0.5) if router == "expert_choice" else tiny_router_lm(router)
+    model = tiny_router_lm(router, router_options=dict(capacity_factor=0.5)) if router == "expert_choice" else tiny_router_lm(router)
     data = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     train_logits = model.train()(data).logits
     model.eval()
@@ -428,7 +436,7 @@ def test_evaluation_with_training_routing_differs_from_token_choice(router):
 def test_flops_count_the_experts_each_router_runs():
     d, f, E, k = 32, 16, 4, 2
     topk, ec, hashed = (tiny_router_lm(r, **o).layers[0].ffn for r, o in
-                        [("topk", {}), ("expert_choice", {"expert_choice_capacity_factor": 1.5}), ("hash", {})])
+                        [("topk", {}), ("expert_choice", {"router_options": {"capacity_factor": 1.5}}), ("hash", {})])
     assert topk.flops_per_token() == 2 * d * E + k * 2 * 3 * d * f
     assert ec.flops_per_token() == 2 * d * E + 1.5 * k * 2 * 3 * d * f
     assert hashed.flops_per_token() == k * 2 * 3 * d * f  # no router
@@ -436,18 +444,27 @@ def test_flops_count_the_experts_each_router_runs():
 
 # ---- bad options: one line naming the key, the value and what is valid ----------------------------------------
 @pytest.mark.parametrize("options,message", [
-    (dict(router="nope"), "unknown moe router 'nope'; valid: topk, expert_choice, hash, balanced, reinforce"),
-    (dict(router="reinforce", score_func="sigmoid"), "moe score_func='sigmoid'; valid: 'softmax' with router=reinforce"),
-    (dict(router="reinforce", reinforce_baseline="critic"), "unknown moe reinforce_baseline 'critic'; valid: mean, value"),
-    (dict(router="reinforce", reinforce_baseline_decay=1.0), "moe reinforce_baseline_decay=1.0; valid: 0 <= decay < 1"),
-    (dict(reinforce_loss_coef=0.1), "moe reinforce_loss_coef=0.1; valid: 0.01 with router=topk"),
-    (dict(expert_choice_capacity_factor=2.0), "moe expert_choice_capacity_factor=2.0; valid: 1.0 with router=topk"),
+    (dict(router="nope"), f"unknown moe router 'nope'; valid: {', '.join(ROUTERS.names())}"),  # the registry's, sorted
+    (dict(router="reinforce", router_options=dict(score_func="sigmoid")),
+     "unknown reinforce router option(s) ['score_func']; valid: route_scale, norm_topk_prob, loss_coef, entropy_coef, "
+     "baseline, baseline_decay"),
+    (dict(router="reinforce", router_options=dict(baseline="critic")), "unknown reinforce router baseline 'critic'; valid: mean, value"),
+    (dict(router="reinforce", router_options=dict(baseline_decay=1.0)), "reinforce router baseline_decay=1.0; valid: 0 <= decay < 1"),
+    (dict(router_options=dict(loss_coef=0.1)), "unknown topk router option(s) ['loss_coef']; valid: route_scale, "
+                                               "norm_topk_prob, score_func, max_groups_per_token"),
+    (dict(router="hash", router_options=dict(capacity_factor=2.0)), "unknown hash router option(s) ['capacity_factor']; "
+                                                                    "valid: route_scale, norm_topk_prob"),
+    (dict(router_options="capacity_factor=2"), "moe router_options='capacity_factor=2'; valid: a mapping"),
+    (dict(expert_choice_capacity_factor=2.0), "unknown moe option(s) ['expert_choice_capacity_factor']; valid: router, "
+                                              "router_options, num_experts"),  # config.json of the flat options
     (dict(router="hash", aux_free_bias=True), "moe aux_free_bias=True; valid: False with router=hash"),
-    (dict(router="expert_choice", capacity_factor=1.5), "moe capacity_factor=1.5; valid: None with router=expert_choice"),
-    (dict(router="balanced", balanced_sinkhorn_iterations=-1), "moe balanced_sinkhorn_iterations=-1; valid: an integer >= 0"),
+    (dict(router="expert_choice", aux_free_bias=True), "moe aux_free_bias=True; valid: False with router=expert_choice"),
+    (dict(router="expert_choice", router_options=dict(capacity_factor=0)), "expert_choice router capacity_factor=0; valid: a number > 0"),
+    (dict(router="balanced", router_options=dict(sinkhorn_iterations=-1)), "balanced router sinkhorn_iterations=-1; valid: an integer >= 0"),
     (dict(num_expert_groups=3), "moe num_expert_groups=3; valid: a divisor of num_experts=8"),
-    (dict(num_expert_groups=4, max_groups_per_token=5), "moe max_groups_per_token=5; valid: 1..num_expert_groups=4"),
-    (dict(num_expert_groups=8, max_groups_per_token=1), "moe max_groups_per_token=1; valid: 2..num_expert_groups=8"),
+    (dict(num_expert_groups=4, router_options=dict(max_groups_per_token=5)), "topk router max_groups_per_token=5; valid: 1..num_expert_groups=4"),
+    (dict(num_expert_groups=8, router="balanced", router_options=dict(max_groups_per_token=1)),
+     "balanced router max_groups_per_token=1; valid: 2..num_expert_groups=8"),
 ])
 def test_bad_router_options_are_one_line(options, message):
     with pytest.raises(ValueError) as e:
@@ -503,7 +520,7 @@ steps from an init whose experts barely write into the residual stream)."""
     from training.metrics import read_metrics
 
     run = tmp_path / "ec"
-    run_train(run, "ffn=moe", "ffn.options.router=expert_choice", "ffn.options.expert_choice_capacity_factor=0.5",
+    run_train(run, "ffn=moe", "ffn.options.router=expert_choice", "ffn.options.router_options.capacity_factor=0.5",
               "trainer.max_steps=4", "trainer.sample_tokens=0", cache=data_cache)
     evals = [r for r in read_metrics(run) if "val/loss" in r]
     assert len(evals) == 1 and abs(evals[0]["val/batch_routing/bpb"] - evals[0]["val/bpb"]) > 1e-5

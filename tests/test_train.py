@@ -67,7 +67,7 @@ def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache)
     is reported and skipped, and the losses continue exactly as the uninterrupted run's. Then
     resume=<run>/checkpoints/step_4 in a new run_dir while step 6 is the run's latest: that run's
     config is read, and steps 5..8 repeat the uninterrupted run's losses again."""
-    run_args = ("mixer=gdn", "ffn=moe", "ffn.options.router=reinforce", "ffn.options.reinforce_baseline=value",
+    run_args = ("mixer=gdn", "ffn=moe", "ffn.options.router=reinforce", "ffn.options.router_options.baseline=value",
                 "optimizer=muon", "trainer.ckpt_every=2", "trainer.keep_checkpoints=5")
     full, run = tmp_path / "full", tmp_path / "run"
     run_train(full, *run_args, cache=data_cache)

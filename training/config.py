@@ -1,5 +1,6 @@
 """Hydra glue: one-line errors for unknown group choices, the rank-zero run-dir resolver, the blocks' option schemas, cfg -> LMConfig, and the config of a
 resumed run (its saved one, with what may change on resume)."""
+import dataclasses
 import os
 import sys
 import tempfile
@@ -37,7 +38,9 @@ def rank_zero_dir(path: str | None, fallback: str | None = None) -> str:
 def register_hydra() -> None:
     """The rank_zero_dir resolver, and each block's Options dataclass as the Hydra schema its YAML loads
     as `options` (ConfigStore groups mixer_options/<name>, ffn_options/<name>): a YAML lists only what
-    differs from the defaults, and mixer.options.<name>=<value> overrides any option."""
+    differs from the defaults, and mixer.options.<name>=<value> overrides any option. A dict option (the
+    MoE's router_options) takes any key on the command line, ffn.options.router_options.<name>=<value>
+    without a `+`: the part it configures (the router) checks its keys and values when the model is built."""
     from hydra.core.config_store import ConfigStore
 
     from model import FFNS, MIXERS
@@ -48,8 +51,13 @@ def register_hydra() -> None:
     for group, registry in (("mixer_options", MIXERS), ("ffn_options", FFNS)):
         for name in registry.names():
             options = getattr(registry.get(name), "Options", None)
-            if options is not None:
-                store.store(group=group, name=name, node=options)
+            if options is None:
+                continue
+            node = OmegaConf.structured(options)
+            for field in dataclasses.fields(options):
+                if field.type is dict:
+                    OmegaConf.set_struct(node[field.name], False)
+            store.store(group=group, name=name, node=node)
 
 
 def lm_config(cfg, vocab_size: int, eos_token_id: int | None):

@@ -3,8 +3,9 @@
     (t_s, e_s, g_s), s = 1..S = router(x, token ids)           the assignments: token t_s goes to expert e_s with gate g_s
     y_t = Shared(x_t) + sum_{s: t_s = t} g_s E_{e_s}(x_t),     E_i(x) = (silu(x W_g,i) * x W_u,i) W_d,i
 
-The router is an option (`router`, model/ffn/routers/): topk (token choice, the default), expert_choice,
-hash, balanced, reinforce; each file gives its formula, paper and what it does at evaluation and decoding. All
+The router is an option (`router`, one of model/ffn/routers/'s registry: topk (token choice, the
+default), expert_choice, hash, balanced, reinforce), with its own options (`router_options`, its Options
+dataclass); each router's file gives its formula, paper and what it does at evaluation and decoding. All
 share what follows.
 
 Each routed expert is computed only on the tokens assigned to it: the assignments are sorted by
@@ -27,16 +28,15 @@ f = shares of the router's assignments (before capacity), P = mean_t p:
 - Device-level balance loss (DeepSeek-V2, arXiv:2405.04434 eq. 14-16) over num_expert_groups groups
   of E / G contiguous experts (virtual now; the devices once experts are split across processes):
   L_dev = G sum_g f'_g P'_g, f'_g, P'_g the sums of f, P over group g; 1 when the groups are balanced.
-- Group-limited routing (max_groups_per_token, DeepSeek-V3 node-limited routing): token choice picks
-  its experts from at most M groups (model/ffn/routers/routing.py).
+- Group-limited routing (the router option max_groups_per_token, DeepSeek-V3 node-limited routing):
+  token choice picks its experts from at most M groups (model/ffn/routers/routing.py).
 - Router z-loss (ST-MoE)  L_z = mean_t (logsumexp_i logits_{t,i})^2.
-- Auxiliary-loss-free balancing (DeepSeek-V3; router=topk): per-expert selection counts are accumulated
-  over the training forwards of one optimizer step; after_optimizer_step() sums them over ranks and
-  sets b_i += gamma sign(mean_j load_j - load_i), then b -= mean(b); b is added to the scores for the
-  top-k selection only.
-- capacity_factor C (token choice: topk, hash): each expert keeps at most ceil(C N k / E) assignments
-  per forward, earliest tokens first; the rest are dropped (the token keeps its residual and shared
-  path) and counted.
+- Auxiliary-loss-free balancing (DeepSeek-V3; the routers that take a selection bias: topk, reinforce):
+  per-expert selection counts are accumulated over the training forwards of one optimizer step;
+  after_optimizer_step() sums them over ranks and sets b_i += gamma sign(mean_j load_j - load_i), then
+  b -= mean(b); the router adds b to its scores for the top-k selection only.
+- capacity_factor C (any router): each expert keeps at most ceil(C N k / E) assignments per forward,
+  earliest tokens first; the rest are dropped (the token keeps its residual and shared path) and counted.
 
 Telemetry (training forwards; names under moe/ are means over layers, moe/layer<i>/ per layer):
 balance_loss, z_loss, sequence_balance_loss, group_balance_loss (G > 1), imbalance (max load / mean
@@ -45,18 +45,17 @@ unrouted_frac (tokens left with no expert), token_choice_overlap (expert_choice,
 evaluation's token choice the training routing also makes), group_imbalance (G > 1); per layer the
 vectors load [E] and group_load [G].
 
-Init as DeepSeek-V3 / Qwen2-MoE (transformers' _init_weights of both): router weight and both expert
-weights N(0, initializer_range), the aux-free bias 0; the shared experts are a SwiGLU (Llama's MLP,
-as Qwen2-MoE's shared_expert), which initialises itself. Ours differs on purpose in one place, shared
-by every block: the experts' down projection, which writes into the residual stream, gets
-std * 1/sqrt(2 L) (model/layers.py residual_scale), or starts at 0 where the model's parametrization
-says so (model/config.py).
+Init as DeepSeek-V3 / Qwen2-MoE (transformers' _init_weights of both): both expert weights
+N(0, initializer_range), the aux-free bias 0; the router (N(0, initializer_range) for those with
+weights) and the shared experts, a SwiGLU (Llama's MLP, as Qwen2-MoE's shared_expert), initialise
+themselves. Ours differs on purpose in one place, shared by every block: the experts' down
+projection, which writes into the residual stream, gets std * 1/sqrt(2 L) (model/layers.py
+residual_scale), or starts at 0 where the model's parametrization says so (model/config.py).
 """
 import dataclasses
 import math
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -65,26 +64,24 @@ import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.ffn.dense import SwiGLU
-from model.ffn.routers import ROUTER_OPTIONS, ROUTERS, BalancedOptions, ExpertChoiceOptions, ReinforceOptions, Routing
+from model.ffn.routers import ROUTERS, Router, Routing
 from model.layers import ffn_residual_scale
-from model.options import bad_option, option
+from model.options import bad_option, option, parse_options
 from model.registry import FFNS
 
-SCORE_FUNCS = ("softmax", "sigmoid")
 LOSSES = ("balance_loss", "z_loss", "sequence_balance_loss", "group_balance_loss")  # logged by add_loss too
 
 
 @dataclass
-class MoEOptions(ExpertChoiceOptions, BalancedOptions, ReinforceOptions):  # + the options each router's own file declares
-    router: str = option("topk", choices=tuple(ROUTERS))
+class MoEOptions:
+    router: str = option("topk", choices=tuple(ROUTERS.names()))
+    # the router's own options (its Options dataclass), e.g. {"capacity_factor": 2.0} with router=expert_choice
+    router_options: dict = dataclasses.field(default_factory=dict)
     num_experts: int = option(8, at_least=1)                     # E
     top_k: int = option(2, at_least=1)                           # k <= E
     # None: intermediate_size // (top_k + num_shared_experts), the active width of the dense FFN
     expert_intermediate_size: int | None = option(None, at_least=1)
     num_shared_experts: int = option(0, at_least=0)
-    score_func: str = option("softmax", choices=SCORE_FUNCS)
-    norm_topk_prob: bool = option(True)                          # renormalise the selected gates to sum 1
-    route_scale: float = option(1.0)
     balance_loss_coef: float = option(1e-2, at_least=0)          # Switch balance loss (1.0 when balanced); 0 logs only
     sequence_balance_loss_coef: float = option(0.0, at_least=0)  # DeepSeek-V3 sequence-wise balance loss
     group_balance_loss_coef: float = option(0.0, at_least=0)     # DeepSeek-V2 device-level balance loss (G > 1)
@@ -93,17 +90,10 @@ class MoEOptions(ExpertChoiceOptions, BalancedOptions, ReinforceOptions):  # + t
     bias_update_rate: float = option(1e-3, at_least=0)           # gamma
     capacity_factor: float | None = option(None, above=0)        # None: dropless; C: ceil(C N k / E) per expert
     num_expert_groups: int = option(1, at_least=1)               # G groups of E / G contiguous experts (devices)
-    max_groups_per_token: int | None = option(None, at_least=1)  # M: token choice from at most M groups; None: any
 
-
-def check_router_options(opts: MoEOptions) -> None:
-    """Options the chosen router does not use keep their defaults (a one-line error otherwise)."""
-    defaults = MoEOptions()
-    others = [f.name for name, options in ROUTER_OPTIONS.items() if name != opts.router for f in dataclasses.fields(options)]
-    for name in (*ROUTERS[opts.router].unused_options, *others):
-        value, default = getattr(opts, name), getattr(defaults, name)
-        if value != default:
-            raise bad_option("moe", name, value, f"{default!r} with router={opts.router}")
+    def options_for_router(self, options_class):
+        """The router's own options (an options_class) from router_options; a bad one is a one-line error."""
+        return parse_options(f"{self.router} router", options_class, self.router_options)
 
 
 @FFNS.register("moe")
@@ -114,15 +104,15 @@ class MoE(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         opts = config.options_for_ffn("moe", MoEOptions)
-        E, k, G, M = opts.num_experts, opts.top_k, opts.num_expert_groups, opts.max_groups_per_token
+        E, k, G = opts.num_experts, opts.top_k, opts.num_expert_groups
         if k > E:
             raise bad_option("moe", "top_k", k, f"1..num_experts={E}")
         if E % G:
             raise bad_option("moe", "num_expert_groups", G, f"a divisor of num_experts={E}")
-        if M is not None and not (math.ceil(k / (E // G)) <= M <= G):
-            raise bad_option("moe", "max_groups_per_token", M,
-                             f"{math.ceil(k / (E // G))}..num_expert_groups={G} (top_k={k} from groups of {E // G})")
-        check_router_options(opts)
+        # Built here (a router with weights draws from the RNG as it is built), registered below.
+        router = ROUTERS.get(opts.router)(config, layer_idx, opts)
+        if opts.aux_free_bias and not router.takes_selection_bias:
+            raise bad_option("moe", "aux_free_bias", True, f"False with router={opts.router}")
         self.layer_idx = layer_idx
         self.num_experts, self.top_k, self.num_groups = E, k, G
         self.num_shared = opts.num_shared_experts
@@ -135,12 +125,14 @@ class MoE(nn.Module):
         self.hidden_size, self.expert_size = d, f
         self.init_std, self.residual_scale = config.initializer_range, ffn_residual_scale(config)
 
-        self.router = ROUTERS[opts.router](d, opts)
-        self.router.layer_idx = layer_idx
         # Stacked expert weights, laid out for x @ W: gate and up fused into one [d, 2f] matrix.
         self.gate_up_proj = nn.Parameter(torch.empty(E, d, 2 * f))
         self.down_proj = nn.Parameter(torch.empty(E, f, d))
         self.shared = SwiGLU(config, layer_idx, intermediate_size=self.num_shared * f) if self.num_shared else None
+        # After the shared experts: transformers initialises submodules in the order they were registered,
+        # and the router's init draws after the shared experts' as it always has (a seeded model's weights
+        # are unchanged; tests/test_moe_routers.py test_topk_lm_seeded_init_is_unchanged).
+        self.router = router
         if self.aux_free_bias:
             self.register_buffer("expert_bias", torch.zeros(E), persistent=True)
         # Selection counts since the last optimizer step (aux-free balancing). A plain attribute, not
@@ -149,8 +141,6 @@ class MoE(nn.Module):
         self.expert_parallel = None  # an ExpertParallel once shard_experts() split the experts over processes
 
     def init_parameters(self) -> None:
-        if hasattr(self.router, "weight"):  # the routers with weights (not hash)
-            init.normal_(self.router.weight, mean=0.0, std=self.init_std)
         init.normal_(self.gate_up_proj, mean=0.0, std=self.init_std)
         init.normal_(self.down_proj, mean=0.0, std=self.init_std * self.residual_scale)
         if self.aux_free_bias:
@@ -162,7 +152,7 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         N, k, E = x.shape[0], self.top_k, self.num_experts
-        routing = self.router(x, token_ids, self.expert_bias if self.aux_free_bias else None)
+        routing = self.router(x, token_ids, self.expert_bias if self.aux_free_bias else None, aux)
 
         # Sort the S assignments by expert; stable, so tokens keep their order.
         flat = routing.expert
@@ -194,8 +184,6 @@ class MoE(nn.Module):
         if aux is not None:
             rows = shape[0] if len(shape) == 3 else 1  # the sequences of the sequence-wise loss
             self.report(aux, routing, routed, token, N, rows)
-            if routing.policy is not None:  # router=reinforce: its loss once the LM loss gives each token a reward
-                aux.on_reward(partial(self.router.reinforce, tag=f"moe/layer{self.layer_idx}", policy=routing.policy))
         return y.view(shape)
 
     def local_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -274,8 +262,7 @@ class MoE(nn.Module):
         """Router + the routed experts a token runs through in training + shared experts (forward, 2
         FLOPs per multiply-add)."""
         d, f = self.hidden_size, self.expert_size
-        router = 2 * d * self.num_experts if hasattr(self.router, "weight") else 0
-        return router + 2 * 3 * d * f * (self.router.experts_per_token() + self.num_shared)
+        return self.router.flops_per_token() + 2 * 3 * d * f * (self.router.experts_per_token() + self.num_shared)
 
     def inactive_parameters(self) -> int:
         """Routed-expert parameters a token does not use: (E - k) experts."""
@@ -296,16 +283,15 @@ def sequence_balance_loss(routing: Routing, rows: int) -> torch.Tensor:
 def batch_routing_at_eval(model: nn.Module):
     """Within: the routers whose training routing is not causal (expert_choice, balanced) route
     evaluation forwards as in training, over each forward's batch, instead of token choice (to report
-    the val loss both ways). Yields whether the model has such a router."""
-    batch_routers = tuple(cls for cls in ROUTERS.values() if not cls.causal)
-    routers = [m for m in model.modules() if isinstance(m, batch_routers)]
+    the val loss both ways), through their route_batch_at_eval. Yields whether the model has such a router."""
+    routers = [m for m in model.modules() if isinstance(m, Router) and not m.causal]
     for router in routers:
-        router.eval_batch_routing = True
+        router.route_batch_at_eval(True)
     try:
         yield bool(routers)
     finally:
         for router in routers:
-            router.eval_batch_routing = False
+            router.route_batch_at_eval(False)
 
 
 def grouped_mm_takes(dtype: torch.dtype, d: int, f: int) -> bool:

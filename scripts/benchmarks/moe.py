@@ -39,7 +39,8 @@ def cpu_time(fn, iters: int) -> float:
 
 def build(E: int, k: int, d: int, f: int):
     ours = MoE(LMConfig(hidden_size=d, num_hidden_layers=1, ffn="moe", ffn_options={"moe": dict(
-        num_experts=E, top_k=k, expert_intermediate_size=f, norm_topk_prob=False)}))
+        num_experts=E, top_k=k, expert_intermediate_size=f, router_options=dict(norm_topk_prob=False))}))
+    ours.router.init_parameters()
     ours.init_parameters()
     theirs = {}
     for impl in ("eager", "grouped_mm"):
@@ -60,7 +61,7 @@ def build(E: int, k: int, d: int, f: int):
 # Each router at the default MoE options; top-k also group-limited (4 groups of 2 experts, at most 2 per token).
 ROUTER_CASES = {"topk": {}, "expert_choice": {"router": "expert_choice"}, "hash": {"router": "hash"},
                 "balanced": {"router": "balanced"}, "reinforce": {"router": "reinforce"},
-                "topk, group-limited": {"num_expert_groups": 4, "max_groups_per_token": 2}}
+                "topk, group-limited": {"num_expert_groups": 4, "router_options": {"max_groups_per_token": 2}}}
 
 
 def routers(quick: bool) -> str:
@@ -77,6 +78,7 @@ def routers(quick: bool) -> str:
         m = MoE(LMConfig(hidden_size=d, num_hidden_layers=4, intermediate_size=768, ffn="moe",
                          ffn_options={"moe": options}))
         torch.manual_seed(1)  # same weights for every router
+        m.router.init_parameters()
         m.init_parameters()
         layers[name] = m.to(device).train()
 
@@ -86,8 +88,9 @@ def routers(quick: bool) -> str:
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
                 y = module(x, aux, ids)
             loss = (y.float() * grad).sum()
-            # router=reinforce: a reward per token (its loss term here), as DecoderLM hands over -CE
-            aux.give_reward(-(y.float() * grad).sum(-1).flatten(), torch.ones(y.shape[0] * y.shape[1], dtype=torch.bool, device=device))
+            # router=reinforce: a loss per token (its term of the loss here), as DecoderLM hands over the CE
+            aux.give_token_loss(lambda: (y.float() * grad).sum(-1).flatten(),
+                                torch.ones(y.shape[0] * y.shape[1], dtype=torch.bool, device=device))
             if (extra := aux.total_loss()) is not None:
                 loss = loss + extra
             loss.backward()

@@ -1,33 +1,43 @@
-"""MoE routers, one file each, chosen by the MoE option `router` (ffn.options.router=...):
+"""MoE routers, one file each, registered by name in ROUTERS and chosen by the MoE option `router`
+(ffn.options.router=...); this package imports every module of itself, so a new router is one file:
 
-    topk           token choice: each token its k best experts (model/ffn/routers/topk.py)
+    topk           token choice: each token its k best experts (topk.py)
     expert_choice  each expert its C best tokens of the batch; token choice at evaluation (expert_choice.py)
     hash           a fixed balanced hash of the input token id, no weights (hash.py)
     balanced       balanced assignment (Sinkhorn + exact rounding); token choice at evaluation (balanced.py)
     reinforce      a policy that samples k experts, trained by REINFORCE on the token's LM loss; greedy
                    top-k at evaluation (reinforce.py)
 
-Interface (the MoE in model/ffn/moe.py owns the dispatch, the balance losses and their logging):
+Interface (the MoE in model/ffn/moe.py owns the dispatch, capacity, the balance losses and their logging):
 
-    router = ROUTERS[name](hidden_size, opts)        opts: the MoE's options (MoEOptions)
-    routing = router(x [N, d], token_ids [..] | None, selection_bias [E] | None) -> Routing (routing.py)
-                                                    token_ids: x's input ids in the forward's layout ([B, T])
+    @ROUTERS.register("name")
+    class Name(Router):                       # routing.py: Router, or ScoredRouter and its subclasses
+        Options = NameOptions                 # a dataclass of model/options.py `option` fields: only what it uses
+        router = Name(config: LMConfig, layer_idx: int, moe: MoEOptions)
+            # its options: moe.options_for_router(Options), from the MoE's router_options (checked there, one line)
+        routing = router(x [N, d], token_ids: [B, T] | None, selection_bias: [E] | None, aux: AuxCollector | None)
+            # -> Routing (routing.py); token_ids: x's input ids; selection_bias: the MoE's aux-free bias
+        router.init_parameters()              # its own parameters, through transformers.initialization
+        router.flops_per_token() -> float     # its own forward FLOPs per token (the MoE adds the experts')
+        router.experts_per_token() -> float   # experts a token runs through in training (default k)
 
-A router lists the MoE options it does not use in `unused_options` (they must keep their
-defaults under it). The router reads `self.training`: training and evaluation routing differ for the routers whose
-training routing is not causal (`causal = False`). A router with weights holds them as `weight`
-[E, d], which the MoE initialises. Options of one router only are declared in its file (an Options
-dataclass that MoEOptions inherits), named after it.
+    optional:
+        takes_selection_bias = True           # it uses selection_bias (the MoE refuses aux_free_bias otherwise)
+        causal = False + route_batch_at_eval(enabled)  # BatchRouter: training routing over the batch, token
+                                              # choice at evaluation unless enabled (batch_routing_at_eval)
+        aux.on_token_loss(consume)            # in forward: consume(aux, token_loss [N], labelled [N]) once the
+                                              # model knows each token's LM loss (reinforce)
+        after_optimizer_step()                # called after every optimizer step (training/loop.py), as for any module
+
+The router reads `self.training`: training and evaluation routing differ for the routers that are not
+causal and for reinforce (sampling against greedy).
 """
-from model.ffn.routers.balanced import Balanced, BalancedOptions
-from model.ffn.routers.expert_choice import ExpertChoice, ExpertChoiceOptions
-from model.ffn.routers.hash import Hash
-from model.ffn.routers.reinforce import Reinforce, ReinforceOptions
-from model.ffn.routers.routing import Routing
-from model.ffn.routers.topk import TopK
+import importlib
+import pkgutil
 
-ROUTERS = {"topk": TopK, "expert_choice": ExpertChoice, "hash": Hash, "balanced": Balanced, "reinforce": Reinforce}
-# The options each router's own file declares (checked: they stay at their defaults under another router).
-ROUTER_OPTIONS = {"expert_choice": ExpertChoiceOptions, "balanced": BalancedOptions, "reinforce": ReinforceOptions}
+from model.ffn.routers.routing import ROUTERS, Router, Routing
 
-__all__ = ["ROUTERS", "ROUTER_OPTIONS", "Routing", "ExpertChoiceOptions", "BalancedOptions", "ReinforceOptions"]
+for _info in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_info.name}")
+
+__all__ = ["ROUTERS", "Router", "Routing"]

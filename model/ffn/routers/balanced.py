@@ -3,7 +3,7 @@ Clark et al. 2022, arXiv:2202.01169 "S-BASE"): at training, the N tokens of the 
 to experts so that every expert gets the same number of (token, expert) pairs, N k / E (when E
 divides N k; else at most ceil(N k / E)), each token exactly k distinct experts.
 
-    P = Sinkhorn(log s)        balanced_sinkhorn_iterations alternate normalisations of the affinities
+    P = Sinkhorn(log s)        sinkhorn_iterations alternate normalisations of the affinities
                                s [N, E] (exp of log s) to row sums k and column sums N k / E
     rounding                   experts in order i = 0..E-1 each take their ceil(N k / E) tokens of
                                largest P[:, i] among those that still need an expert, always including
@@ -12,40 +12,34 @@ divides N k; else at most ceil(N k / E)), each token exactly k distinct experts.
     gates                      as top-k's: route_scale s_{t,i} [/ sum over the token's k experts]
 
 BASE solves the assignment exactly (an auction); this greedy rounding of the Sinkhorn plan is exactly
-balanced but not the optimal assignment. Not causal (a token's experts depend on the other tokens of
-the batch): evaluation and decoding use top-k token choice on the same scores, and training logs
-moe/token_choice_overlap, the share of token choice's pairs that the balanced assignment also makes.
-With `eval_batch_routing` set (model/ffn/moe.py batch_routing_at_eval), evaluation routes as in
-training instead, over each evaluation forward's batch.
+balanced but not the optimal assignment. Not causal (routing.py BatchRouter: a token's experts depend
+on the other tokens of the batch): evaluation and decoding use top-k token choice on the same scores,
+and training logs moe/token_choice_overlap, the share of token choice's pairs that the balanced
+assignment also makes. Options: topk's, and sinkhorn_iterations.
 """
 import math
 from dataclasses import dataclass
 
 import torch
 
-from model.ffn.routers.routing import Routing, ScoredRouter
+from model.ffn.routers.routing import ROUTERS, BatchRouter, Routing, ScoreOptions, TokenChoiceGateOptions
 from model.options import option
 
 
 @dataclass
-class BalancedOptions:
-    balanced_sinkhorn_iterations: int = option(10, at_least=0)  # 0: round the raw scores
+class BalancedOptions(ScoreOptions, TokenChoiceGateOptions):
+    sinkhorn_iterations: int = option(10, at_least=0)  # 0: round the raw scores
 
 
-class Balanced(ScoredRouter):
-    causal = False
-    unused_options = ("aux_free_bias", "capacity_factor")
-
-    def __init__(self, hidden_size: int, opts):
-        super().__init__(hidden_size, opts)
-        self.sinkhorn_iterations = opts.balanced_sinkhorn_iterations
-        self.eval_batch_routing = False
+@ROUTERS.register("balanced")
+class Balanced(BatchRouter):
+    Options = BalancedOptions
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None) -> Routing:
+                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
         logits, scores, probs = self.scores(x)
-        if self.training or self.eval_batch_routing:
-            experts = balanced_assignment(scores.detach().clamp_min(1e-30).log(), self.top_k, self.sinkhorn_iterations)
+        if self.routes_batch():
+            experts = balanced_assignment(scores.detach().clamp_min(1e-30).log(), self.top_k, self.options.sinkhorn_iterations)
         else:
             experts = self.token_choice(scores.detach())
         routing = Routing.from_token_choice(experts, self.token_choice_gates(scores, experts), logits=logits, probs=probs)

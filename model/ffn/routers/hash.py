@@ -12,29 +12,34 @@ so each block's E ids go to E distinct experts in every slot (the most frequent 
 token's k experts are distinct, and which ids share an expert changes from block to block. The same
 id gets the same experts at every position, call and layer, in training, evaluation and decoding.
 Gates: route_scale (the paper's top-1 has none), split evenly over the k experts if norm_topk_prob.
-The ids reach the MoE through the forward (DecoderLM -> Block -> FFN). Options: the MoE's top_k,
-norm_topk_prob, route_scale, capacity_factor.
+The ids reach the MoE through the forward (DecoderLM -> Block -> FFN). Options: norm_topk_prob,
+route_scale. No scores, so the MoE has no balance or z-loss to add (its loss coefficients do nothing).
 """
 import math
 
 import torch
-import torch.nn as nn
 
-from model.ffn.routers.routing import Routing
+from model.ffn.routers.routing import ROUTERS, Router, Routing, TokenChoiceGateOptions
 
 KNUTH = 2654435761  # floor(2^32 / golden ratio), prime
 
 
-class Hash(nn.Module):
-    causal = True
-    unused_options = ("score_func", "aux_free_bias", "max_groups_per_token", "balance_loss_coef", "z_loss_coef",
-                      "sequence_balance_loss_coef", "group_balance_loss_coef")
+@ROUTERS.register("hash")
+class Hash(Router):
+    Options = TokenChoiceGateOptions
 
-    def __init__(self, hidden_size: int, opts):
+    def __init__(self, config, layer_idx: int, moe):
         super().__init__()
-        self.num_experts, self.top_k = opts.num_experts, opts.top_k
-        self.gate = opts.route_scale / (opts.top_k if opts.norm_topk_prob else 1)
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        options = moe.options_for_router(self.Options)
+        self.gate = options.route_scale / (moe.top_k if options.norm_topk_prob else 1)
         self.units = [a for a in range(1, self.num_experts) if math.gcd(a, self.num_experts) == 1] or [1]
+
+    def init_parameters(self) -> None:
+        """No parameters."""
+
+    def flops_per_token(self) -> float:
+        return 0.0  # no router weights; the gates are constants
 
     def experts(self, token_ids: torch.Tensor) -> torch.Tensor:
         """token ids [N] -> their experts [N, k]."""
@@ -47,12 +52,9 @@ class Hash(nn.Module):
         return (a[:, None] * (r[:, None] + slots) + c[:, None]) % E
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None) -> Routing:
+                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
         if token_ids is None or token_ids.numel() != x.shape[0]:
             raise ValueError("router=hash needs the input token ids of the forward's tokens (moe(x, aux, token_ids))")
         experts = self.experts(token_ids.reshape(-1))
         gates = torch.full(experts.shape, self.gate, dtype=torch.promote_types(x.dtype, torch.float32), device=x.device)
         return Routing.from_token_choice(experts, gates)
-
-    def experts_per_token(self) -> float:
-        return float(self.top_k)

@@ -13,14 +13,18 @@ experts at training, and is trained by REINFORCE on the token's LM loss.
     gates: route_scale pi_{t,i} of the sampled experts [/ their sum if norm_topk_prob]
 
 Reward assignment: every layer's router gets the same per-token reward, the final LM loss of that
-token's prediction (the model's `DecoderLM.forward` hands it to the routers through the aux channel,
-`AuxCollector.give_reward`); a layer is credited for the whole model's loss at that token, as in
-Clark et al. The gates carry the policy's probabilities, so the LM loss also reaches the router
-through them as with top-k (norm_topk_prob with k = 1 leaves REINFORCE the only signal).
+token's prediction: each training forward subscribes on the aux channel (`aux.on_token_loss`), which
+`DecoderLM.forward` serves once it knows each token's loss; a layer is credited for the whole model's
+loss at that token, as in Clark et al. The gates carry the policy's probabilities, so the LM loss
+also reaches the router through them as with top-k (norm_topk_prob with k = 1 leaves REINFORCE the
+only signal).
 
-Baselines (reinforce_baseline):
+Options: loss_coef, entropy_coef, baseline, baseline_decay, norm_topk_prob, route_scale (the policy is
+a softmax over all experts: no score_func, no group limit).
+
+Baselines (baseline):
     mean   b_t = an exponential moving average of the mean reward per optimizer step (decay
-           reinforce_baseline_decay, bias-corrected as Adam's moments; summed over ranks, so every
+           baseline_decay, bias-corrected as Adam's moments; summed over ranks, so every
            process holds the same); before the first update, the forward's own mean reward
     value  b_t = mean + v . x_t, v [d] a learnt linear value head on the detached router input,
            zero at init, trained by L_v = mean_t (r_t - b_t)^2 (only v sees it)
@@ -36,8 +40,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from transformers import initialization as init
 
-from model.ffn.routers.routing import Routing, ScoredRouter
+from model.ffn.routers.routing import ROUTERS, Routing, ScoredRouter, TokenChoiceGateOptions
 from model.options import bad_option, option
 
 BASELINES = ("mean", "value")
@@ -47,11 +52,11 @@ MODULUS = 2**31 - 1
 
 
 @dataclass
-class ReinforceOptions:
-    reinforce_loss_coef: float = option(1e-2, at_least=0)        # coef of L_pg
-    reinforce_entropy_coef: float = option(0.0, at_least=0)      # entropy bonus
-    reinforce_baseline: str = option("mean", choices=BASELINES)
-    reinforce_baseline_decay: float = option(0.99, at_least=0)  # < 1
+class ReinforceOptions(TokenChoiceGateOptions):
+    loss_coef: float = option(1e-2, at_least=0)        # coef of L_pg
+    entropy_coef: float = option(0.0, at_least=0)      # entropy bonus
+    baseline: str = option("mean", choices=BASELINES)
+    baseline_decay: float = option(0.99, at_least=0)  # < 1
 
 
 def fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -100,59 +105,61 @@ def sample_log_prob(logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor
 
 @dataclass
 class PolicyStep:
-    """What one training forward of a REINFORCE router keeps until the token rewards arrive."""
+    """What one training forward of a REINFORCE router keeps until the token losses arrive."""
     log_prob: torch.Tensor          # [N] log pi of each token's sampled experts (with grad)
     log_policy: torch.Tensor        # [N, E] log pi (with grad): the entropy
     resampled: torch.Tensor         # [N] bool: the sampled experts differ (as a set) from greedy's
     value: torch.Tensor | None      # [N] v . x_t (baseline=value)
 
 
+@ROUTERS.register("reinforce")
 class Reinforce(ScoredRouter):
-    causal = True
-    unused_options = ("score_func", "max_groups_per_token")
+    Options = ReinforceOptions
+    takes_selection_bias = True
 
-    def __init__(self, hidden_size: int, opts):
-        super().__init__(hidden_size, opts)
-        if not opts.reinforce_baseline_decay < 1:
-            raise bad_option("moe", "reinforce_baseline_decay", opts.reinforce_baseline_decay, "0 <= decay < 1")
-        self.coef, self.entropy_coef = opts.reinforce_loss_coef, opts.reinforce_entropy_coef
-        self.baseline_kind, self.decay = opts.reinforce_baseline, opts.reinforce_baseline_decay
-        self.layer_idx = 0  # set by the MoE: part of the sampling salt
+    def __init__(self, config, layer_idx: int, moe):
+        super().__init__(config, layer_idx, moe)  # layer_idx: part of the sampling salt
+        self.decay = self.options.baseline_decay
+        if not self.decay < 1:
+            raise bad_option(f"{moe.router} router", "baseline_decay", self.decay, "0 <= decay < 1")
         # The bias-corrected moving average: m <- decay m + (1 - decay) mean reward, steps updates;
         # the baseline is m / (1 - decay^steps). Persistent: a resumed run samples and subtracts as before.
         self.register_buffer("reward_average", torch.zeros((), dtype=torch.float64))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
-        self.value = nn.Parameter(torch.zeros(hidden_size)) if self.baseline_kind == "value" else None
+        self.value = nn.Parameter(torch.zeros(config.hidden_size)) if self.options.baseline == "value" else None
         self.pending_reward: torch.Tensor | None = None  # (sum, count) of this optimizer step's rewards
 
+    def init_parameters(self) -> None:
+        super().init_parameters()
+        if self.value is not None:
+            init.zeros_(self.value)
+
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None) -> Routing:
-        logits, scores, probs = self.scores(x)
+                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
+        """With aux (a training forward), the router's loss waits for each token's LM loss (aux.on_token_loss)."""
+        logits = self.logits(x)
+        scores = logits.softmax(-1)
         policy_logits = logits if selection_bias is None else logits + selection_bias.to(logits.dtype)
         greedy = policy_logits.detach().topk(self.top_k, dim=-1).indices
         if not self.training:
-            return Routing.from_token_choice(greedy, self.token_choice_gates(scores, greedy), logits=logits, probs=probs)
+            return Routing.from_token_choice(greedy, self.token_choice_gates(scores, greedy), logits=logits, probs=scores)
         if token_ids is None or token_ids.numel() != x.shape[0]:
             raise ValueError("router=reinforce needs the input token ids of the forward's tokens (its sampling is seeded by them)")
         log_policy = policy_logits.log_softmax(-1)
         noise = gumbel_noise(context_keys(token_ids), self.num_experts, salt=self.steps * 1024 + self.layer_idx)
         experts = (log_policy.detach().double() + noise).topk(self.top_k, dim=-1).indices
-        routing = Routing.from_token_choice(experts, self.token_choice_gates(scores, experts), logits=logits, probs=probs)
-        resampled = (experts.sort(-1).values != greedy.sort(-1).values).any(-1)
-        value = x.detach().to(self.value.dtype) @ self.value if self.value is not None else None
-        routing.policy = PolicyStep(sample_log_prob(policy_logits, experts), log_policy, resampled, value)
-        return routing
+        if aux is not None:
+            resampled = (experts.sort(-1).values != greedy.sort(-1).values).any(-1)
+            value = x.detach().to(self.value.dtype) @ self.value if self.value is not None else None
+            policy = PolicyStep(sample_log_prob(policy_logits, experts), log_policy, resampled, value)
+            aux.on_token_loss(functools.partial(self.reinforce, policy=policy))
+        return Routing.from_token_choice(experts, self.token_choice_gates(scores, experts), logits=logits, probs=scores)
 
-    def baseline(self) -> torch.Tensor | None:
-        """The moving average of the reward, or None before its first update."""
-        if int(self.steps) == 0:
-            return None
-        return self.reward_average / (1 - self.decay ** int(self.steps))
-
-    def reinforce(self, aux, reward: torch.Tensor, labelled: torch.Tensor, *, tag: str, policy: PolicyStep) -> None:
-        """Add this forward's REINFORCE losses and telemetry, given each token's reward [N] (detached)
-        and whether it has a label [N] bool (the rewards of the others are not used)."""
-        reward = reward.to(policy.log_prob.dtype)
+    def reinforce(self, aux, token_loss: torch.Tensor, labelled: torch.Tensor, *, policy: PolicyStep) -> None:
+        """Add this forward's REINFORCE losses and telemetry, given each token's LM loss [N] (detached; the
+        reward r_t = -loss) and whether it has a label [N] bool (the rewards of the others are not used)."""
+        reward = -token_loss.to(policy.log_prob.dtype)
+        tag = f"moe/layer{self.layer_idx}"
         n = labelled.sum().clamp_min(1)
         mean_reward = (reward * labelled).sum() / n
         # the moving average once it has an update, else the forward's own mean (torch.where: no sync per layer)
@@ -162,9 +169,9 @@ class Reinforce(ScoredRouter):
             base = base + policy.value
             aux.add_loss("moe/reinforce_value_loss", (((reward - base) ** 2) * labelled).sum() / n, 1.0)
         advantage = (reward - base).detach()
-        aux.add_loss("moe/reinforce_loss", -(advantage * policy.log_prob * labelled).sum() / n, self.coef)
+        aux.add_loss("moe/reinforce_loss", -(advantage * policy.log_prob * labelled).sum() / n, self.options.loss_coef)
         entropy = -(policy.log_policy.exp() * policy.log_policy).sum(-1)
-        aux.add_loss("moe/policy_entropy", (entropy * labelled).sum() / n, -self.entropy_coef)
+        aux.add_loss("moe/policy_entropy", (entropy * labelled).sum() / n, -self.options.entropy_coef)
         with torch.no_grad():
             mean_advantage = (advantage * labelled).sum() / n
             metrics = {

@@ -7,20 +7,28 @@ each token picks its k best experts.
 
 The same at training, evaluation and decoding (a token's experts depend on that token only).
 With k = 1 and norm_topk_prob the gate is always 1, so the router then learns only from the
-balance losses. Options: the MoE's top_k, score_func, norm_topk_prob, route_scale, aux_free_bias,
-capacity_factor, num_expert_groups / max_groups_per_token (model/ffn/moe.py).
+balance losses. Options: score_func, max_groups_per_token (group-limited choice over the MoE's
+num_expert_groups, routing.py), norm_topk_prob, route_scale.
 """
+from dataclasses import dataclass
+
 import torch
 
-from model.ffn.routers.routing import Routing, ScoredRouter
+from model.ffn.routers.routing import ROUTERS, Routing, ScoreOptions, TokenChoiceGateOptions, TokenChoiceRouter
 
 
-class TopK(ScoredRouter):
-    causal = True
-    unused_options = ()
+@dataclass
+class TopKOptions(ScoreOptions, TokenChoiceGateOptions):
+    """The scores, group-limited token choice and its gates."""
+
+
+@ROUTERS.register("topk")
+class TopK(TokenChoiceRouter):
+    Options = TopKOptions
+    takes_selection_bias = True
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None) -> Routing:
+                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
         logits, scores, probs = self.scores(x)
         choice = scores.detach()
         if selection_bias is not None:
