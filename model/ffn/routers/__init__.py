@@ -35,7 +35,8 @@ causal and for reinforce (sampling against greedy).
 import importlib
 import pkgutil
 
-from model.ffn.routers.routing import ROUTERS, Router, Routing
+from model.ffn.routers.routing import Router, Routing
+from model.registry import ROUTERS
 
 for _info in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_info.name}")

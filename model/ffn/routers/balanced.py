@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.ffn.routers.routing import ROUTERS, BatchRouter, Routing, ScoreOptions, TokenChoiceGateOptions
+from model.ffn.routers.routing import BatchRouter, Routing, ScoreOptions, TokenChoiceGateOptions
 from model.options import option
+from model.registry import ROUTERS
 
 
 @dataclass

@@ -19,8 +19,9 @@ from dataclasses import dataclass
 
 import torch
 
-from model.ffn.routers.routing import ROUTERS, BatchRouter, GateScaleOptions, Routing, ScoreOptions
+from model.ffn.routers.routing import BatchRouter, GateScaleOptions, Routing, ScoreOptions
 from model.options import option
+from model.registry import ROUTERS
 
 
 @dataclass

@@ -19,7 +19,8 @@ import math
 
 import torch
 
-from model.ffn.routers.routing import ROUTERS, Router, Routing, TokenChoiceGateOptions
+from model.ffn.routers.routing import Router, Routing, TokenChoiceGateOptions
+from model.registry import ROUTERS
 
 KNUTH = 2654435761  # floor(2^32 / golden ratio), prime
 

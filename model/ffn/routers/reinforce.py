@@ -42,8 +42,9 @@ import torch.distributed as dist
 import torch.nn as nn
 from transformers import initialization as init
 
-from model.ffn.routers.routing import ROUTERS, Routing, ScoredRouter, TokenChoiceGateOptions
+from model.ffn.routers.routing import Routing, ScoredRouter, TokenChoiceGateOptions
 from model.options import bad_option, option
+from model.registry import ROUTERS
 
 BASELINES = ("mean", "value")
 MASK32 = 0xFFFFFFFF

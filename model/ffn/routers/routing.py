@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.options import bad_option, option
-from model.registry import ROUTERS
 SCORE_FUNCS = ("softmax", "sigmoid")
 
 

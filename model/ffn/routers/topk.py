@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from model.ffn.routers.routing import ROUTERS, Routing, ScoreOptions, TokenChoiceGateOptions, TokenChoiceRouter
+from model.ffn.routers.routing import Routing, ScoreOptions, TokenChoiceGateOptions, TokenChoiceRouter
+from model.registry import ROUTERS
 
 
 @dataclass
