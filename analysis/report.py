@@ -1,17 +1,61 @@
-"""compare(): the report over any runs (docs/comparing.md): compare.md, compare.csv, best_over.json under
---best-over, and the figures; one SeriesStyle for all of them."""
+"""compare(): the report over any runs (docs/comparing.md): discover() finds them (local run dirs, W&B offline
+folders), then compare.md, compare.csv, best_over.json under --best-over, and the figures, with one SeriesStyle
+for all of them."""
 import csv
 import json
+import re
 from pathlib import Path
 
 from analysis.best import EDGE_TAG, best_over_sections, edge_report, group_architectures
 from analysis.plots import (best_series, plot_best_over, plot_curves, plot_moe_load, plot_mqar, plot_throughput,
                             series_of)
-from analysis.runs import Run, cfg_get, discover
+from analysis.runs import Run, cfg_get, read_local
 from analysis.summary import COLUMNS, budget_line, markdown_table, summarize_run
-from analysis.wandb_runs import read_wandb_api, set_tag
+from analysis.wandb_runs import read_wandb_api, read_wandb_offline, set_tag
 from common.plots import SeriesStyle
 from evaluation.suites import SUITES, EvalPoint
+
+
+def natural_key(path: Path) -> list:
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
+
+
+def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
+    """Runs under the given paths (a run dir's own wandb/ folder is not read twice; the offline
+    folders of one W&B run id are read as one run)."""
+    runs, notes, seen, offline = [], [], set(), {}
+
+    def visit(p: Path):
+        if p.resolve() in seen:
+            return
+        seen.add(p.resolve())
+        if (p / "metrics.jsonl").exists():
+            runs.append(read_local(p))
+        elif list(p.glob("run-*.wandb")):
+            run_id = next(p.glob("run-*.wandb")).stem.removeprefix("run-")
+            if run_id not in offline:
+                offline[run_id] = []
+                runs.append(run_id)  # a placeholder, read once all its folders are found
+            offline[run_id].append(p)
+        elif p.is_dir():
+            children = [c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".")]
+            for child in sorted(children, key=natural_key):  # sweep jobs in job order: 2_x before 10_x
+                visit(child)
+
+    for p in paths:
+        if not p.exists():
+            notes.append(f"{p}: does not exist")
+            continue
+        before = len(runs)
+        visit(p)
+        if len(runs) == before:
+            notes.append(f"{p}: no runs found (no metrics.jsonl or run-*.wandb)")
+    runs = [read_wandb_offline(sorted(offline[r], key=lambda f: f.name)) if isinstance(r, str) else r for r in runs]
+    names = [r.name for r in runs]
+    for r in runs:  # jobs of different sweeps share names (0_0): such a local run is named <sweep folder>/<job>
+        if names.count(r.name) > 1 and Path(r.source).is_dir():
+            r.name = f"{Path(r.source).parent.name}/{r.name}"
+    return runs, notes
 
 
 def eval_points(runs: list[Run], summaries: list[dict], archs: list, key: str | None) -> list[EvalPoint]:

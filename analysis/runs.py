@@ -1,7 +1,7 @@
-"""Runs as the report reads them: a local run dir (metrics.jsonl, config.yaml, run_info.json, final/ and eval.py's
-eval.json), W&B offline run folders and W&B API runs (analysis/wandb_runs.py), found under any folders given."""
+"""Runs as the report reads them: the Run record, and the reader of a local run dir (metrics.jsonl, config.yaml,
+run_info.json, final/ and eval.py's eval.json); W&B offline run folders and W&B API runs are read into the same
+record by analysis/wandb_runs.py, and report.py's discover finds them all under any folders given."""
 import json
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -53,47 +53,3 @@ def read_local(run_dir: Path) -> Run:
             if prefix == "eval/":
                 run.report = data
     return run
-
-
-def natural_key(path: Path) -> list:
-    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", path.name)]
-
-
-def discover(paths: list[Path]) -> tuple[list[Run], list[str]]:
-    """Runs under the given paths (a run dir's own wandb/ folder is not read twice; the offline
-    folders of one W&B run id are read as one run)."""
-    from analysis.wandb_runs import read_wandb_offline
-
-    runs, notes, seen, offline = [], [], set(), {}
-
-    def visit(p: Path):
-        if p.resolve() in seen:
-            return
-        seen.add(p.resolve())
-        if (p / "metrics.jsonl").exists():
-            runs.append(read_local(p))
-        elif list(p.glob("run-*.wandb")):
-            run_id = next(p.glob("run-*.wandb")).stem.removeprefix("run-")
-            if run_id not in offline:
-                offline[run_id] = []
-                runs.append(run_id)  # a placeholder, read once all its folders are found
-            offline[run_id].append(p)
-        elif p.is_dir():
-            children = [c for c in p.iterdir() if c.is_dir() and not c.name.startswith(".")]
-            for child in sorted(children, key=natural_key):  # sweep jobs in job order: 2_x before 10_x
-                visit(child)
-
-    for p in paths:
-        if not p.exists():
-            notes.append(f"{p}: does not exist")
-            continue
-        before = len(runs)
-        visit(p)
-        if len(runs) == before:
-            notes.append(f"{p}: no runs found (no metrics.jsonl or run-*.wandb)")
-    runs = [read_wandb_offline(sorted(offline[r], key=lambda f: f.name)) if isinstance(r, str) else r for r in runs]
-    names = [r.name for r in runs]
-    for r in runs:  # jobs of different sweeps share names (0_0): such a local run is named <sweep folder>/<job>
-        if names.count(r.name) > 1 and Path(r.source).is_dir():
-            r.name = f"{Path(r.source).parent.name}/{r.name}"
-    return runs, notes

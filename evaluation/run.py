@@ -1,10 +1,9 @@
-"""eval.py's body: `evaluate(cfg)` scores a checkpoint (configs/eval.yaml; docs/evaluation.md).
+"""eval.py's body: `evaluate(cfg, lm, folder)` scores a loaded checkpoint (configs/eval.yaml; docs/evaluation.md).
 
 Loss, perplexity and bits per byte on the val split the model was trained on (or `data=...`) and the loss
 by position (evaluation/scoring.py, the scorer training uses), generation samples with decode tokens/s,
 lm-evaluation-harness tasks, and the suites `suite=[...]` (evaluation/suites/, one file each). Results go
-to <model dir>/eval/eval.json with the PNGs, and into the training run's W&B run, if it had one, under
-eval/ (eval/step_N/ for a mid-run checkpoint)."""
+to <model dir>/eval/eval.json with the PNGs (eval.py then logs them into the training run's W&B run)."""
 import json
 from pathlib import Path
 
@@ -22,7 +21,9 @@ def register_hydra() -> None:
     ConfigStore.instance().store(name="suite_options", node=suite_options_node())
 
 
-def evaluate(cfg: DictConfig) -> dict:
+def evaluate(cfg: DictConfig, lm, folder: Path) -> tuple[dict, list[Path]]:
+    """eval.json's report of the model `lm` (in eval mode, on its device) loaded from `folder` (whose
+    training_config.yaml and tokenizer it reads), written to out_dir (default <folder>/eval), and the PNGs."""
     from common.files import written_then_renamed
     from data import build_data
     from evaluation.context import EvalContext
@@ -31,15 +32,10 @@ def evaluate(cfg: DictConfig) -> dict:
     from evaluation.scoring import score_validation
     from evaluation.suites.length import plot_loss_by_position
     from model.options import parse_options
-    from training.checkpoint import load_lm, weights_dir
-    from training.validation import check_eval_config
 
-    check_eval_config(cfg)
-    folder = weights_dir(cfg.checkpoint)
     title = f"{folder.parent.name}/{folder.name}"
     train_cfg = OmegaConf.load(folder / "training_config.yaml")
-    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    lm = load_lm(folder, dtype=torch.float32).to(device).eval()
+    device = next(lm.parameters()).device
     scores, report, images = {}, {"checkpoint": str(folder)}, []
     out = Path(cfg.out_dir) if cfg.out_dir else folder / "eval"
     out.mkdir(parents=True, exist_ok=True)
@@ -93,9 +89,4 @@ def evaluate(cfg: DictConfig) -> dict:
     for text in report.get("samples", []):
         print("---\n" + text)
     print(f"wrote {out / 'eval.json'}" + "".join(f", {p.name}" for p in images))
-    if cfg.wandb:
-        from training.tracking import log_evaluation
-
-        run_id = log_evaluation(folder, scores, images)
-        print(f"logged under eval/ in W&B run {run_id}" if run_id else "no W&B run to log into (trained with logger=none)")
-    return report
+    return report, images

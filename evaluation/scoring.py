@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from data.types import Data, Split
-from training.metrics import perplexity
 
 
 @torch.no_grad()
@@ -57,6 +56,10 @@ def evaluate_split(model, split: Split, batch_size: int, max_sequences: int | No
     if per_position:
         result["per_position"] = (pos_sum / pos_count.clamp(min=1)).cpu()
     return result
+
+
+def perplexity(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
 
 
 def summarize(loss_sum: float, count: float, bytes_per_token: float | None) -> dict[str, float]:

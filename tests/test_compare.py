@@ -13,9 +13,9 @@ from omegaconf import OmegaConf
 from conftest import ROOT, TINY
 from model import DecoderLM
 from analysis import best, summary, sweep
-from analysis.report import compare
+from analysis.report import compare, discover
 from analysis.runner import launcher_command
-from analysis.runs import Run, discover
+from analysis.runs import Run
 from scripts import compare as compare_script, sweep as sweep_script
 from training.jobs import compose
 from training.config import lm_config

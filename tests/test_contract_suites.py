@@ -1,6 +1,6 @@
 """The contract every registered eval suite passes, read from the registry (evaluation.suites.SUITES): a suite
 added as its one file is checked here with no test file edited. Each runs through eval.py's own function
-(evaluation/run.py evaluate, in this process) on the session's tiny trained checkpoint at its quick_options,
+(evaluate_checkpoint, in this process) on the session's tiny trained checkpoint at its quick_options,
 and must write its block of eval.json, finite scores named <suite>/..., and its plot; its options parse from
 their defaults, and its quick_options are valid options."""
 import dataclasses
@@ -41,13 +41,13 @@ def test_options_parse_and_quick_options_are_options(name):
 
 @pytest.mark.parametrize("name", SUITES.names())
 def test_suite_runs_on_a_trained_checkpoint(name, tiny_run, data_cache, tmp_path):
-    from evaluation.run import evaluate
+    from eval import evaluate_checkpoint
 
     run, _ = tiny_run
     quick = [f"{name}.{k}={hydra_value(v)}" for k, v in SUITES.get(name).quick_options.items()]
     cfg = eval_config([f"checkpoint={run}", f"out_dir={tmp_path}", f"suite=[{name}]", *quick, "batches=0",
                        "sample_tokens=0", "wandb=false"])
-    report = evaluate(cfg)
+    report = evaluate_checkpoint(cfg)
     assert json.loads((tmp_path / "eval.json").read_text()) == json.loads(json.dumps(report))
     assert isinstance(report[name], dict) and report[name]
     scores = {k: v for k, v in report["scores"].items() if k.startswith(f"{name}/")}

@@ -3,12 +3,13 @@ offline unless logged in; training/tracking.py sets the run up). Vector metrics 
 to jsonl as lists and to W&B as one scalar per element, named by what the element is
 (moe/layer0/load -> moe/layer0/expert3/load), so that each expert is one line."""
 import json
-import math
 import re
 import statistics
 from pathlib import Path
 
 import torch
+
+from evaluation.scoring import perplexity
 
 
 def to_python(value):
@@ -81,10 +82,6 @@ def median_after_first(rows: list[dict], key: str) -> float | None:
     costs), or over the first where it is the only one; None if never logged."""
     values = logged(rows, key)
     return statistics.median(values[1:] or values) if values else None
-
-
-def perplexity(loss: float) -> float:
-    return math.exp(min(loss, 50.0))
 
 
 class Meter:
