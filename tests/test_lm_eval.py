@@ -122,7 +122,7 @@ def test_eval_py_reports_the_harness_accuracy(checkpoint, task_dir, tmp_path, ca
     cfg = OmegaConf.load(ROOT / "configs" / "eval.yaml")
     cfg.merge_with({"checkpoint": str(checkpoint.parent), "tasks": ["tiny_choice"], "include_path": str(task_dir),
                     "lm_eval_batch_size": 4, "device": "cpu", "batches": 0, "sample_tokens": 0, "out_dir": str(tmp_path)})
-    report = eval_py.evaluate(cfg)  # a run dir works too: its final/ is used
+    report = eval_py.evaluate_checkpoint(cfg)  # a run dir works too: its final/ is used
     expected = sum(max(range(3), key=s.__getitem__) == d["answer"]
                    for s, d in zip(own_log_likelihoods(checkpoint), DOCS)) / len(DOCS)
     assert report["scores"]["lm_eval/tiny_choice/acc"] == pytest.approx(expected)
