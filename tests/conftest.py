@@ -122,6 +122,17 @@ def train_on_alternation(model, steps: int = 30, lr: float = 2e-2) -> float:
     return torch.nn.functional.cross_entropy(logits.flatten(0, 1), held_out[:, 2:].flatten()).item()
 
 
+def reinitialised_over_nan(model):
+    """Every parameter NaN, then the model's init again, as for weights from_pretrained did not load."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    for module in model.modules():
+        module._is_hf_initialized = False
+    model.initialize_weights()
+    return model
+
+
 BF16_UNIT = 2**-8  # bf16's unit roundoff (8 significant bits)
 
 

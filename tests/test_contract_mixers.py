@@ -20,6 +20,7 @@ import dataclasses
 import pytest
 import torch
 
+from conftest import reinitialised_over_nan
 from model import DecodeCache, DecoderLM, LMConfig
 from model.registry import MIXERS
 
@@ -96,13 +97,7 @@ def test_a_packed_row_equals_its_documents_alone(layers):
 @pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
 def test_init_reaches_every_parameter(layers):
     """Every parameter is written by an init (from_pretrained leaves a missing one as it was allocated)."""
-    model = lm(layers, perturb=False, tie_word_embeddings=False)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    for module in model.modules():
-        module._is_hf_initialized = False
-    model.initialize_weights()
+    model = reinitialised_over_nan(lm(layers, perturb=False, tie_word_embeddings=False))
     assert [name for name, p in model.named_parameters() if not p.isfinite().all()] == []
 
 

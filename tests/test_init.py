@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
+from conftest import reinitialised_over_nan
 from data.mqar import mqar_slice
 from model import DecoderLM, LMConfig
 from model.config import PARAMETRIZATIONS
@@ -39,17 +40,6 @@ def assert_normal(w: torch.Tensor, std: float) -> None:
     assert w.std().item() == pytest.approx(std, rel=0.08)
     assert abs(w.mean().item()) < 4 * std / math.sqrt(w.numel())
     assert (w**4).mean().item() / w.var().item() ** 2 > 2.5
-
-
-def reinitialised_over_nan(model: DecoderLM) -> DecoderLM:
-    """Every parameter NaN, then the model's init again, as for weights from_pretrained did not load."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.fill_(float("nan"))
-    for module in model.modules():
-        module._is_hf_initialized = False
-    model.initialize_weights()
-    return model
 
 
 def assert_uniform(w: torch.Tensor, bound: float) -> None:
