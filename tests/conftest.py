@@ -9,7 +9,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(min(2, os.cpu_count() or 1))
+# One torch thread per pytest-xdist worker when several share the cores (two threads each would only contend).
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 
 @pytest.fixture(scope="session")
@@ -52,11 +54,12 @@ def run_train(run_dir: Path, *overrides: str, launcher: list[str] | None = None,
     return proc
 
 
-def train_here(run_dir: Path, *overrides: str, cache: Path | None = None) -> str:
-    """train.py's run of TINY + overrides inside this process, for tests whose subject is not the command line:
+def train_here(run_dir: Path, *overrides: str, cache: Path | None = None, base: list[str] = TINY) -> str:
+    """train.py's run of base (TINY) + overrides inside this process, for tests whose subject is not the command line:
     the config composed and checked as train.py does (training/jobs.py compose, train.py's checked_config),
-    then the loop (training/loop.py train). Returns what it printed. Accelerate's state, the signal handlers and
-    torch's thread count are put back after, as the next test would find them in a new process."""
+    then the loop (training/loop.py train). Returns what it printed (also echoed to the test's captured
+    stdout, so that a run that raises, SystemExit included, still shows it). Accelerate's state, the signal
+    handlers and torch's thread count are put back after, as the next test would find them in a new process."""
     import contextlib
     import io
     import signal
@@ -67,7 +70,7 @@ def train_here(run_dir: Path, *overrides: str, cache: Path | None = None) -> str
     from training.jobs import compose
     from training.loop import train
 
-    overrides = [*TINY, f"run_dir={run_dir}", *overrides]
+    overrides = [*base, f"run_dir={run_dir}", *overrides]
     handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     threads, cache_before = torch.get_num_threads(), os.environ.get("SWAPLM_CACHE")
     if cache is not None:
@@ -77,6 +80,7 @@ def train_here(run_dir: Path, *overrides: str, cache: Path | None = None) -> str
         with contextlib.redirect_stdout(printed):
             train(checked_config(compose(overrides), overrides))
     finally:
+        sys.stdout.write(printed.getvalue())
         AcceleratorState._reset_state(reset_partial_state=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

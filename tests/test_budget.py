@@ -2,13 +2,13 @@
 every mixer and for a MoE (active experts only), the run that uses it, the one-line errors; and every
 job of a sweep (scripts/sweep.py, train.py -m) is checked before the first one starts (training/jobs.py)."""
 import json
-import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, train_here
 from model import MIXERS
 from training.jobs import check_job, compose, meta_model
 
@@ -69,14 +69,10 @@ def test_budget_errors(overrides, message):
 
 @pytest.mark.slow
 def test_a_budget_run_records_its_steps(tmp_path, data_cache):
-    """train.py with a budget prints what it set, trains that many steps, and saves both (a resume keeps them)."""
+    """A run with a budget prints what it set, trains that many steps, and saves both (a resume keeps them)."""
     budget = 2.6e9
     run = tmp_path / "run"
-    cmd = [sys.executable, str(ROOT / "train.py"), *NO_STEPS, f"run_dir={run}", "trainer.flops_budget=2.6e9"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "SWAPLM_CACHE": str(data_cache)}, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    out = proc.stdout
+    out = train_here(run, "trainer.flops_budget=2.6e9", cache=data_cache, base=NO_STEPS)
     info = json.loads((run / "run_info.json").read_text())
     per_step = 4 * 64 * info["train_flops_per_token"]
     steps = round(budget / per_step)
@@ -89,13 +85,14 @@ def test_a_budget_run_records_its_steps(tmp_path, data_cache):
     assert f"max_steps: {steps}" in saved and "flops_budget: 2600000000.0" in saved
 
 
-@pytest.mark.slow
-def test_a_budget_with_max_steps_on_the_command_line_is_refused(tmp_path):
-    proc = run_train(tmp_path / "run", "trainer.tokens_budget=1e4", check=False)  # TINY gives trainer.max_steps=8
-    assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1] == (
-        "error: trainer.max_steps=8 and trainer.tokens_budget=10000; valid: one of them (a budget sets the steps)")
-    assert not (tmp_path / "run").exists()
+def test_a_budget_with_max_steps_on_the_command_line_is_refused():
+    """train.py's check of its config and overrides (TINY gives trainer.max_steps=8)."""
+    from train import checked_config
+
+    overrides = [*TINY, "trainer.tokens_budget=1e4"]
+    with pytest.raises(ValueError, match=re.escape(
+            "trainer.max_steps=8 and trainer.tokens_budget=10000; valid: one of them (a budget sets the steps)")):
+        checked_config(compose(overrides), overrides)
 
 
 @pytest.mark.slow

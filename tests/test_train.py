@@ -2,6 +2,7 @@
 uninterrupted run, clean failures. Multi-process runs are in test_distributed.py."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_train
+from conftest import ROOT, run_train, train_here
 from training.config import group_choices
 from training.metrics import read_metrics
 
@@ -51,11 +52,14 @@ def test_train_eval_export_and_evaluate(tmp_path, tiny_run):
     assert len(report["per_position_loss"]) == 63 and len(report["samples"]) == 1
     assert "no W&B run to log into" in proc.stdout
 
-    # A mid-run checkpoint is evaluable as it is: eval.py reproduces the step-4 val loss from it.
+    # A mid-run checkpoint is evaluable as it is: eval.py's evaluation (here in this process) reproduces the
+    # step-4 val loss from it.
+    from test_contract_suites import eval_config
+
+    from eval import evaluate_checkpoint
+
     step4 = run / "checkpoints" / "step_0000004"
-    proc = subprocess.run([sys.executable, "eval.py", f"checkpoint={step4}", "batches=2", "batch_size=4",
-                           "sample_tokens=0"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    evaluate_checkpoint(eval_config([f"checkpoint={step4}", "batches=2", "batch_size=4", "sample_tokens=0"]))
     report = json.loads((step4 / "eval" / "eval.json").read_text())
     assert report["scores"]["val/loss"] == pytest.approx(evals[0]["val/loss"], abs=1e-4)
 
@@ -70,7 +74,7 @@ def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache)
     run_args = ("mixer=gdn", "ffn=moe", "ffn.options.router=reinforce", "ffn.options.router_options.baseline=value",
                 "optimizer=muon", "trainer.ckpt_every=2", "trainer.keep_checkpoints=5")
     full, run = tmp_path / "full", tmp_path / "run"
-    run_train(full, *run_args, cache=data_cache)
+    train_here(full, *run_args, cache=data_cache)
     (run / "checkpoints").mkdir(parents=True)
     shutil.copy(full / "config.yaml", run / "config.yaml")
     for step in (2, 4, 6):
@@ -91,17 +95,19 @@ def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache)
     a = losses(full)
     assert a[8] < a[1], a  # it learns
     step4 = full / "checkpoints" / "step_0000004"
-    proc_explicit = run_train(tmp_path / "again", f"resume={step4}", cache=data_cache)
-    assert f"resumed from {step4} at step 4" in proc_explicit.stdout
+    assert f"resumed from {step4} at step 4" in train_here(tmp_path / "again", f"resume={step4}", cache=data_cache)
     for b in (losses(run), losses(tmp_path / "again")):
         assert sorted(b) == [5, 6, 7, 8]
         for step in b:
             assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
-    # the command may not change the model: one line naming the key and both values
-    proc = subprocess.run([sys.executable, "train.py", f"run_dir={run}", "resume=auto", "mixer=softmax"], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 1 and proc.stderr.strip().startswith(
-        f"error: resume: mixer.name was 'gdn' in {run / 'config.yaml'}, the command gives 'softmax'"), proc.stderr
+    # the command may not change the model: one line naming the key and both values (train.py's check)
+    from train import checked_config
+    from training.jobs import compose
+
+    overrides = [f"run_dir={run}", "resume=auto", "mixer=softmax"]
+    with pytest.raises(ValueError, match="^" + re.escape(
+            f"resume: mixer.name was 'gdn' in {run / 'config.yaml'}, the command gives 'softmax'")):
+        checked_config(compose(overrides), overrides)
 
 
 @pytest.mark.slow
@@ -117,7 +123,7 @@ def test_streamed_hub_dataset_trains(tmp_path, data_cache):
     for shard in range(3):
         pq.write_table(pa.table({"text": texts[shard::3]}), hub / f"train-0000{shard}-of-00003.parquet")
     run = tmp_path / "run"
-    run_train(run, "data=hf", f"data.path={hub.parent}", "data.streaming=true", "data.max_tokens=20000",
+    train_here(run, "data=hf", f"data.path={hub.parent}", "data.streaming=true", "data.max_tokens=20000",
               "data.val_fraction=0.1", "data.vocab_size=300", "data.max_documents=null", "trainer.max_steps=4",
               cache=data_cache)
     info = json.loads((run / "run_info.json").read_text())["data_info"]
@@ -126,12 +132,14 @@ def test_streamed_hub_dataset_trains(tmp_path, data_cache):
 
 
 @pytest.mark.slow
-def test_non_finite_loss_stops_with_message(tmp_path, data_cache):
-    proc = run_train(tmp_path / "nan", "trainer.lr=1e12", "trainer.grad_clip=1e30", "trainer.warmup_steps=0",
-                     "trainer.max_steps=30", "trainer.ckpt_every=1", check=False, cache=data_cache)
-    assert proc.returncode == 1
-    msg = [l for l in proc.stdout.splitlines() if "non-finite" in l]
-    assert msg and "at step" in msg[0], proc.stdout[-2000:]
+def test_non_finite_loss_stops_with_message(tmp_path, data_cache, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_here(tmp_path / "nan", "trainer.lr=1e12", "trainer.grad_clip=1e30", "trainer.warmup_steps=0",
+                   "trainer.max_steps=30", "trainer.ckpt_every=1", cache=data_cache)
+    assert e.value.code == 1
+    out = capsys.readouterr().out
+    msg = [l for l in out.splitlines() if "non-finite" in l]
+    assert msg and "at step" in msg[0], out[-2000:]
     step = int(msg[0].split("at step ")[1].split(";")[0])
     named = msg[0].split("Last good checkpoint: ")[1].strip()
     assert named == str(tmp_path / "nan" / "checkpoints" / f"step_{step - 1:07d}"), msg[0]
@@ -198,7 +206,7 @@ def test_sigterm_saves_a_checkpoint_and_the_printed_command_resumes_it(tmp_path,
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"resumed from {ckpt} at step {step}" in proc.stdout
     reference = tmp_path / "reference"
-    run_train(reference, *constant, f"trainer.max_steps={step + 2}", "trainer.sample_tokens=0", cache=data_cache)
+    train_here(reference, *constant, f"trainer.max_steps={step + 2}", "trainer.sample_tokens=0", cache=data_cache)
     a, b = losses(reference), losses(run)
     for s in (step + 1, step + 2):
         assert b[s] == pytest.approx(a[s], abs=1e-6), (s, a, b)
