@@ -14,7 +14,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, run_train
+from conftest import ROOT, run_train, train_here
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
@@ -59,7 +59,7 @@ def assert_same_val(a: dict, b: dict, steps: list[int]):
 def test_ddp_two_processes_equals_grad_accum_with_unused_search_off(tmp_path, data_cache):
     """Dense AdamW (Muon under DDP: the MoE + DSA test below)."""
     one, two = tmp_path / "one", tmp_path / "two"
-    run_train(one, "trainer.grad_accum=2", "trainer.max_steps=4", "optimizer=adamw", cache=data_cache)
+    train_here(one, "trainer.grad_accum=2", "trainer.max_steps=4", "optimizer=adamw", cache=data_cache)
     run_train(two, "trainer.max_steps=4", "optimizer=adamw", launcher=DDP, cache=data_cache)
     assert run_info(one)["processes"] == 1 and run_info(two)["processes"] == 2
     # A dense model: every parameter gets a gradient, so DDP runs without the unused-parameter search.
@@ -80,7 +80,7 @@ def test_ddp_moe_dsa_expert_parallel_equals_grad_accum_and_resumes_across_layout
     from training.checkpoint import load_lm
 
     ref, two, resumed, split = tmp_path / "ref", tmp_path / "two", tmp_path / "resumed", tmp_path / "split"
-    run_train(ref, *MOE_DSA, "trainer.grad_accum=2", "trainer.keep_checkpoints=5", cache=data_cache)
+    train_here(ref, *MOE_DSA, "trainer.grad_accum=2", "trainer.keep_checkpoints=5", cache=data_cache)
     run_train(two, *MOE_DSA, "trainer.expert_parallel=2", "trainer.keep_checkpoints=5", launcher=DDP, cache=data_cache)
     info = run_info(two)
     assert info["processes"] == 2 and info["expert_parallel"] == 2 and info["ddp_find_unused_parameters"] is True
@@ -108,8 +108,8 @@ def test_ddp_moe_dsa_expert_parallel_equals_grad_accum_and_resumes_across_layout
 
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(two / "checkpoints" / "step_0000004", resumed / "checkpoints" / "step_0000004")
-    proc = run_train(resumed, *MOE_DSA, "trainer.grad_accum=2", "resume=auto", cache=data_cache)
-    assert "saved by 2 process(es), now 1" in proc.stdout
+    assert "saved by 2 process(es), now 1" in train_here(resumed, *MOE_DSA, "trainer.grad_accum=2", "resume=auto",
+                                                         cache=data_cache)
     assert run_info(resumed)["processes"] == 1 and run_info(resumed)["expert_parallel"] == 1
     assert_same_losses(losses(ref), losses(resumed), [5, 6, 7, 8])
     assert_same_val(val_metrics(ref), val_metrics(resumed), [8])
@@ -129,7 +129,7 @@ def test_dsa_warmup_checkpoint_of_one_process_resumes_on_two(tmp_path, data_cach
     from safetensors.torch import load_file
 
     one, resumed = tmp_path / "one", tmp_path / "resumed"
-    run_train(one, *DSA_WARMUP, "trainer.keep_checkpoints=5", cache=data_cache)
+    train_here(one, *DSA_WARMUP, "trainer.keep_checkpoints=5", cache=data_cache)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(one / "checkpoints" / "step_0000004", resumed / "checkpoints" / "step_0000004")
     proc = run_train(resumed, *DSA_WARMUP, "resume=auto", launcher=DDP, cache=data_cache)

@@ -18,7 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, TINY, run_train
+from conftest import ROOT, TINY, run_train, train_here
 from model import DecoderLM, LMConfig
 from training.checkpoint import load_matching_weights
 from training.objectives.linearize import Linearization, distill_kl, load_teacher, teacher_state_for
@@ -195,7 +195,7 @@ def test_stages_under_ddp_equal_one_process_with_accumulation(tmp_path, tiny_run
 
     teacher_dir, _ = tiny_run
     one, two = tmp_path / "one", tmp_path / "two"
-    run_train(one, *STAGES, f"init_from={teacher_dir}", "trainer.grad_accum=2", "trainer.ckpt_every=2", cache=data_cache)
+    train_here(one, *STAGES, f"init_from={teacher_dir}", "trainer.grad_accum=2", "trainer.ckpt_every=2", cache=data_cache)
     run_train(two, *STAGES, f"init_from={teacher_dir}", launcher=DDP, cache=data_cache)
     assert run_info(one)["processes"] == 1 and run_info(two)["processes"] == 2
     assert run_info(two)["ddp_find_unused_parameters"] is True
@@ -246,7 +246,7 @@ def test_a_stage_boundary_survives_sigterm_and_resume(tmp_path, tiny_run, data_c
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert f"resumed from {ckpt} at step {step}" in proc.stdout
-    run_train(reference, *constant, "trainer.max_steps=14", "trainer.sample_tokens=0", cache=data_cache)
+    train_here(reference, *constant, "trainer.max_steps=14", "trainer.sample_tokens=0", cache=data_cache)
     a, b = losses(reference), losses(run)
     assert stages(run) == stages(reference) == {s: 0 if s <= 8 else 1 if s <= 12 else 2 for s in range(1, 15)}
     for s in range(step + 1, 15):
@@ -258,15 +258,16 @@ def test_a_stage_boundary_survives_sigterm_and_resume(tmp_path, tiny_run, data_c
 
 @pytest.mark.slow
 def test_a_teacher_that_is_not_softmax_is_one_line(tmp_path, tiny_run, data_cache):
-    """train.py with a gdn model as the teacher: one line on stderr, and no run dir."""
+    """A run with a gdn model as the teacher stops before writing anything, with one line naming it."""
     teacher_dir = tmp_path / "gdn_teacher"
     DecoderLM(LMConfig.from_pretrained(tiny_run[0] / "final", mixer="gdn")).save_pretrained(teacher_dir)
     run = tmp_path / "run"
-    proc = run_train(run, "objective=linearize", "mixer=derived_gdn", f"init_from={teacher_dir}", "linearize.transfer_steps=2", check=False,
-                     cache=data_cache)
-    assert proc.returncode == 1 and proc.stderr.strip() == (
-        f"error: init_from={teacher_dir}: the teacher's layers are ['gdn', 'gdn']; valid: a softmax model (every layer "
-        "softmax), whose attention the student linearizes"), proc.stderr[-2000:]
+    with pytest.raises(ValueError) as e:
+        train_here(run, "objective=linearize", "mixer=derived_gdn", f"init_from={teacher_dir}", "linearize.transfer_steps=2",
+                   cache=data_cache)
+    assert str(e.value) == (
+        f"init_from={teacher_dir}: the teacher's layers are ['gdn', 'gdn']; valid: a softmax model (every layer "
+        "softmax), whose attention the student linearizes")
     assert not run.exists()
 
 

@@ -509,25 +509,24 @@ def test_sweep_stops_in_one_line_at_a_job_whose_router_rejects_an_option(capsys)
 
 @pytest.mark.slow
 def test_training_and_eval_report_the_val_loss_both_ways_for_expert_choice(tmp_path, data_cache):
-    """A non-causal router: train.py's evaluation and eval.py give val/ (token choice) and
+    """A non-causal router: training's evaluation and eval.py's give val/ (token choice) and
     val/batch_routing/ (expert choice over each evaluation batch) on the same sequences; with capacity
     factor 0.5 expert choice leaves tokens without a routed expert, so the two differ (a little, after 4
 steps from an init whose experts barely write into the residual stream)."""
-    import subprocess
-    import sys
+    from test_contract_suites import eval_config
 
-    from conftest import ROOT, run_train
+    from conftest import train_here
+    from eval import evaluate_checkpoint
     from training.metrics import read_metrics
 
     run = tmp_path / "ec"
-    run_train(run, "ffn=moe", "ffn.options.router=expert_choice", "ffn.options.router_options.capacity_factor=0.5",
+    train_here(run, "ffn=moe", "ffn.options.router=expert_choice", "ffn.options.router_options.capacity_factor=0.5",
               "trainer.max_steps=4", "trainer.sample_tokens=0", cache=data_cache)
     evals = [r for r in read_metrics(run) if "val/loss" in r]
     assert len(evals) == 1 and abs(evals[0]["val/batch_routing/bpb"] - evals[0]["val/bpb"]) > 1e-5
     train_rows = [r for r in read_metrics(run) if "moe/unrouted_frac" in r]
     assert train_rows and all(r["moe/unrouted_frac"] > 0 for r in train_rows)
-    proc = subprocess.run([sys.executable, "eval.py", f"checkpoint={run}", "batches=2", "sample_tokens=0", "wandb=false",
-                           f"out_dir={tmp_path / 'eval'}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    evaluate_checkpoint(eval_config([f"checkpoint={run}", "batches=2", "sample_tokens=0", "wandb=false",
+                                     f"out_dir={tmp_path / 'eval'}"]))
     scores = json.loads((tmp_path / "eval" / "eval.json").read_text())["scores"]
     assert abs(scores["val/batch_routing/loss"] - scores["val/loss"]) > 1e-5

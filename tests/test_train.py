@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, run_train, train_here
+from conftest import ROOT, train_here
 from training.config import group_choices
 from training.metrics import read_metrics
 
