@@ -14,6 +14,8 @@ import pytest
 import torch
 
 from conftest import TINY
+from model.registry import MIXERS, ROUTERS
+from scripts.bench import SUITES as BENCH_SUITES
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_thread")]
 
@@ -195,13 +197,13 @@ def small_stdlib(monkeypatch, files: int = 40):
                         lambda cfg: documents(OmegaConf.merge(cfg, {"max_documents": files})))
 
 
-@pytest.mark.parametrize("suite", ["data", "docmask", "dsa", "gdn", "mamba2", "model", "moe", "recipe", "scaling"])
+@pytest.mark.parametrize("suite", BENCH_SUITES)
 def test_bench_suite_runs(suite, tmp_path, monkeypatch, data_cache):
+    """Every suite of scripts/bench.py, each timing once: its tables hold finite numbers, and each ratio it
+    reports is the ratio of the columns it is computed from (to the digits printed); a suite's own
+    correctness columns (agreement with its peer) are within their tolerance."""
     import importlib
 
-    from scripts.bench import SUITES
-
-    assert suite in SUITES
     module = importlib.import_module(f"scripts.benchmarks.{suite}")
     for name, fn in ONCE.items():
         if hasattr(module, name):
@@ -235,9 +237,113 @@ def test_bench_suite_runs(suite, tmp_path, monkeypatch, data_cache):
             cache))
     report = module.run(quick=True)
     assert table_rows(report) and not re.search(r"\b(nan|inf)\b", report, re.IGNORECASE), report
-    if suite == "data":  # the peer and ours tokenize the same corpus with the same tokenizer
-        peer, ours = table_rows(report)[1:3]
-        assert peer[-1] == ours[-1] and int(ours[-1].replace(",", "")) > 0, report
-    if suite == "recipe":  # the peer trained its one step of 16 x 256 tokens
-        assert table_rows(report)[1][2] == "4,096", report
+    BENCH_CHECKS.get(suite, lambda report: None)(report)
 
+
+def tables(markdown: str) -> list[list[dict]]:
+    """The markdown tables of a report, each a list of {header: cell} rows (a header repeated in a table: its later
+    columns named '<header> (2)', ...)."""
+    out, header = [], None
+    for line in markdown.splitlines() + [""]:
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if set("".join(cells)) <= set("-: "):
+            continue
+        if header is None:
+            header = [c if cells[:i].count(c) == 0 else f"{c} ({cells[:i].count(c) + 1})" for i, c in enumerate(cells)]
+            out.append([])
+        else:
+            out[-1].append(dict(zip(header, cells)))
+    return out
+
+
+def number(cell: str) -> float:
+    """A report cell as a number: '1,426' -> 1426, '1.38x' -> 1.38, '17.3%' -> 0.173, '8 s (5 s setup)' -> 8."""
+    text = cell.replace(",", "").strip()
+    value = float(re.match(r"[-+0-9.e]+", text).group(0))
+    return value / 100 if text.endswith("%") else value
+
+
+def assert_ratio(rows: list[dict], ratio: str, num, den, digits: float = 0.02):
+    """Each row's `ratio` column equals num(row) / den(row), to the precision the report prints it."""
+    for row in rows:
+        if row.get(ratio):
+            want = num(row) / den(row)
+            assert number(row[ratio]) == pytest.approx(want, rel=digits, abs=0.006), (ratio, row, want)
+
+
+def check_data(report):
+    (prep, rss, loader) = tables(report)
+    assert prep[0]["tokens"] == prep[1]["tokens"] and number(prep[1]["tokens"]) > 0  # the same corpus, tokenized alike
+    for row in loader:  # tokens/s = batches/s x 8 x 256 tokens
+        assert number(row["tokens/s"]) == pytest.approx(number(row["batches/s"]) * 2048, rel=0.01, abs=2048), row
+    assert number(rss[2]["MB"]) == pytest.approx(number(rss[0]["MB"]) - number(rss[1]["MB"]), abs=1)  # MB rounded
+
+
+def check_docmask(report):
+    (rows,) = tables(report)
+    assert [r["mixer"] for r in rows] == MIXERS.names()
+    assert_ratio(rows, "masked / plain", lambda r: number(r["tokens/s masked"]), lambda r: number(r["tokens/s plain"]))
+
+
+def check_dsa(report):
+    cases = tables(report)[0]
+    dense = number(cases[0]["CPU ms"])
+    assert_ratio(cases, "speed-up vs dense fwd+bwd", lambda r: dense, lambda r: number(r["CPU ms"]), digits=0.05)
+
+
+def check_gdn(report):
+    op, model = tables(report)
+    # the last column, max |o - o_tf| (its header's bars split it in two cells): our op computes transformers' rule
+    assert all(number(list(r.values())[-1]) < 1e-5 for r in op), op
+    tf64 = next(number(r["ms"]) for r in op if r["op"] == "transformers, chunk 64")
+    assert_ratio(op, "speed vs tf chunk 64", lambda r: tf64, lambda r: number(r["ms"]), digits=0.05)
+    tf = next(number(r["tokens/s"]) for r in model if r["model"].startswith("transformers"))
+    assert_ratio(model, "speed vs transformers", lambda r: number(r["tokens/s"]), lambda r: tf)
+    assert len({r["params"] for r in model}) == 1  # the same model on both sides
+
+
+def check_mamba2(report):
+    assert all(float(d) < 1e-3 for d in re.findall(r"max \|\w+ - \w+\|(?: with shared weights)? = ([0-9.e+-]+)", report))
+    op, model = tables(report)
+    tf = next(number(r["ms"]) for r in op if r["op"].startswith("transformers"))
+    assert_ratio(op, "speed vs transformers", lambda r: tf, lambda r: number(r["ms"]), digits=0.05)
+    peer = next(number(r["tokens/s"]) for r in model if r["model"].startswith("transformers"))
+    assert_ratio(model, "speed vs transformers", lambda r: number(r["tokens/s"]), lambda r: peer)
+
+
+def check_model(report):
+    (rows,) = tables(report)
+    llama = next(number(r["tokens/s"]) for r in rows if r["model"].startswith("transformers Llama"))
+    assert_ratio(rows, "vs Llama", lambda r: number(r["tokens/s"]), lambda r: llama)
+
+
+def check_moe(report):
+    layers, cpu, routers = tables(report)
+    for shape in {r["shape"] for r in layers}:
+        rows = [r for r in layers if r["shape"] == shape]
+        eager = next(number(r["fwd+bwd ms"]) for r in rows if r["impl"] == "transformers eager")
+        assert_ratio(rows, "speed-up vs eager", lambda r: eager, lambda r: number(r["fwd+bwd ms"]), digits=0.03)
+    assert {r["router"].split(",")[0] for r in routers} <= set(ROUTERS.names()) and routers[0]["router"] == "topk"
+    topk, topk_cpu = number(routers[0]["fwd+bwd ms"]), number(routers[0]["CPU ms, 1 thread"])
+    assert_ratio(routers, "x top-k", lambda r: number(r["fwd+bwd ms"]), lambda r: topk, digits=0.03)
+    assert_ratio(routers, "x top-k (2)", lambda r: number(r["CPU ms, 1 thread"]), lambda r: topk_cpu, digits=0.03)
+
+
+def check_recipe(report):
+    (rows,) = tables(report)
+    assert rows[0]["train tokens"] == "4,096"  # the peer trained its one step of 16 x 256 tokens
+    assert all(0 < number(r["val bpb"]) < 10 for r in rows)
+    assert_ratio(rows, "bpb / peer", lambda r: number(r["val bpb"]), lambda r: number(rows[0]["val bpb"]), digits=0.002)
+
+
+def check_scaling(report):
+    (rows,) = tables(report)
+    assert [r["mixer"] for r in rows] == MIXERS.names()
+    assert_ratio(rows, "t(512)/t(256)", lambda r: number(r["T=512"]), lambda r: number(r["T=256"]))
+
+
+BENCH_CHECKS = {"data": check_data, "docmask": check_docmask, "dsa": check_dsa, "gdn": check_gdn, "mamba2": check_mamba2,
+                "model": check_model, "moe": check_moe, "recipe": check_recipe, "scaling": check_scaling}

@@ -4,10 +4,8 @@
 same blocks without position_ids. Ratios of 1-thread process CPU time, the two taking turns."""
 import torch
 
-from model import DecoderLM, LMConfig
+from model import MIXERS, DecoderLM, LMConfig
 from scripts.benchmarks.common import cpu_times, markdown_table
-
-MIXERS = ["softmax", "gdn", "derived_gdn", "mamba2", "linear"]
 
 
 def packed_position_ids(B: int, T: int, seed: int = 0) -> torch.Tensor:
@@ -39,7 +37,7 @@ def run(quick: bool) -> str:
     segments = int((position_ids == 0).sum() + (position_ids[:, 0] != 0).sum())
     ids = torch.randint(0, 512, (B, T), generator=torch.Generator().manual_seed(0))
     rows = []
-    for mixer in MIXERS:
+    for mixer in MIXERS.names():
         torch.manual_seed(0)
         model = DecoderLM(LMConfig(vocab_size=512, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
                                    intermediate_size=256, max_position_embeddings=T, mixer=mixer))
