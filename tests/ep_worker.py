@@ -16,13 +16,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-ROUTERS = {
-    "topk": dict(capacity_factor=1.5),
-    "expert_choice": dict(),
-    "hash": dict(),
-    "balanced": dict(),
-    "reinforce": dict(router_options=dict(baseline="value", entropy_coef=0.01)),
-}
+from model.ffn.routers import ROUTERS as REGISTERED
+
+# Every registered router, with what it has beyond its defaults to exercise.
+EXTRA = {"topk": dict(capacity_factor=1.5), "reinforce": dict(router_options=dict(baseline="value", entropy_coef=0.01))}
+ROUTERS = {name: EXTRA.get(name, {}) for name in REGISTERED.names()}
 E, D, TOKENS = 8, 16, 24
 
 

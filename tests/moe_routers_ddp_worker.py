@@ -16,14 +16,18 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
+from model.ffn.routers import ROUTERS as REGISTERED
+
 LOSSES = dict(balance_loss_coef=0.1, sequence_balance_loss_coef=0.1, group_balance_loss_coef=0.1)
-ROUTERS = {
+# What each router runs with beyond its defaults, where it has something more to exercise: every registered
+# router runs (a new one at its defaults, with the balance losses).
+EXTRA = {
     "topk": dict(router_options=dict(max_groups_per_token=1), aux_free_bias=True, **LOSSES),
     "expert_choice": dict(router_options=dict(capacity_factor=0.75), **LOSSES),
     "hash": dict(),  # no router scores, so no balance losses
-    "balanced": dict(**LOSSES),
     "reinforce": dict(aux_free_bias=True, router_options=dict(baseline="value", entropy_coef=0.01), **LOSSES),
 }
+ROUTERS = {name: EXTRA.get(name, LOSSES) for name in REGISTERED.names()}
 SHAPE = dict(num_experts=4, top_k=2, expert_intermediate_size=16, num_expert_groups=2)
 BATCH, SEQ_LEN, VOCAB = 8, 16, 64
 

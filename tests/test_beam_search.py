@@ -1,24 +1,22 @@
-"""DecodeCache.reorder_cache, for a model with every mixer (softmax, gdn, derived_gdn, mamba2, linear,
-dsa): after a reorder, decoding continues the reordered rows exactly as a full forward of them does,
+"""DecodeCache.reorder_cache, for a model with every registered mixer, one per layer: after a reorder, decoding continues the reordered rows exactly as a full forward of them does,
 and generate's beam search (which reorders the cache every step) returns the beams of a beam search
 written out here with full forwards and no cache."""
 import pytest
 import torch
 
-from model import DecodeCache, DecoderLM, LMConfig
+from model import MIXERS, DecodeCache, DecoderLM, LMConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-MIXERS = ["softmax", "gdn", "derived_gdn", "mamba2", "linear", "dsa"]
 VOCAB = 97
 
 
 @pytest.fixture(scope="module")
 def model() -> DecoderLM:
     torch.manual_seed(0)
-    return DecoderLM(LMConfig(vocab_size=VOCAB, mixer=MIXERS, hidden_size=32, num_hidden_layers=6,
-                              num_attention_heads=2, num_key_value_heads=2, intermediate_size=64,
-                              max_position_embeddings=64, mixer_options={"dsa": {"topk": 4}})).eval()
+    return DecoderLM(LMConfig(vocab_size=VOCAB, mixer=MIXERS.names(), hidden_size=32,
+                              num_hidden_layers=len(MIXERS.names()), num_attention_heads=2, num_key_value_heads=2,
+                              intermediate_size=64, max_position_embeddings=64, mixer_options={"dsa": {"topk": 4}})).eval()
 
 
 def test_reorder_then_decode_equals_the_full_forward_of_the_reordered_rows(model):

@@ -8,6 +8,7 @@ from test_gated_delta import make_inputs as gdn_inputs
 from test_linear_attention import make_inputs as linear_inputs
 from test_ssd import make_inputs as ssd_inputs
 
+from model.registry import MIXERS
 from model import DecoderLM, LMConfig
 from model.layers import DocumentSegments
 from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
@@ -132,8 +133,7 @@ def segment_bounds(position_ids: torch.Tensor) -> list[list[tuple[int, int]]]:
     return rows
 
 
-@pytest.mark.parametrize("mixer", ["softmax", "gdn", "derived_gdn", "mamba2", "linear", "dsa",
-                                   ["gdn", "softmax"]], ids=str)
+@pytest.mark.parametrize("mixer", [*MIXERS.names(), ["gdn", "softmax"]], ids=str)
 def test_packed_row_equals_documents_alone(mixer):
     model = tiny_lm(mixer)
     ids = torch.randint(0, 50, POSITIONS.shape, generator=torch.Generator().manual_seed(0))

@@ -13,13 +13,13 @@ from omegaconf import OmegaConf
 from conftest import reinitialised_over_nan
 from data.mqar import mqar_slice
 from model import DecoderLM, LMConfig
+from model.registry import MIXERS
 from model.config import PARAMETRIZATIONS
 from model.ffn.routers import ROUTERS
 from training.config import CONFIG_DIR
 
 STD, LAYERS, D = 0.02, 4, 128
 RESIDUAL = 1 / math.sqrt(2 * LAYERS)
-MIXERS = ("softmax", "linear", "derived_gdn", "dsa", "gdn", "mamba2")
 MAMBA2 = {"head_dim": 16, "state_size": 16, "chunk_size": 16}
 
 
@@ -162,7 +162,7 @@ def test_per_mixer_parametrization_is_the_mixers_declared_one(mixer, declared):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("mixer", MIXERS)
+@pytest.mark.parametrize("mixer", MIXERS.names())
 @pytest.mark.parametrize("ffn", ("dense", "moe"))
 def test_init_reaches_every_parameter(mixer, ffn):
     """Every parameter is written by some init (from_pretrained leaves missing ones uninitialised)."""
