@@ -16,10 +16,29 @@ torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
-    """One tokenizer/token cache for the whole session (a small BPE on 40 stdlib files)."""
-    path = tmp_path_factory.mktemp("swaplm_cache")
+    """One tokenizer/token cache for the whole session (a small BPE on 40 stdlib files), shared by the
+    pytest-xdist workers (their temp folders share a parent; the store is built under a file lock, data/text.py)."""
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "swaplm_cache"
+    path.mkdir(exist_ok=True)
     os.environ["SWAPLM_CACHE"] = str(path)
     return path
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now: each distributed launch gets its own, so that launches of
+    tests running side by side (pytest-xdist) do not meet on one rendezvous port."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ddp_launcher(*options: str) -> list[str]:
+    """`accelerate launch` of 2 gloo processes on CPU (configs/accelerate/cpu_ddp.yaml) on a free port."""
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml"), "--main_process_port", str(free_port()), *options]
 
 
 @pytest.fixture

@@ -14,13 +14,12 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, run_train, train_here
+from conftest import ROOT, ddp_launcher, free_port, run_train, train_here
 from training.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
-DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-       str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
+
 MOE_DSA = ["mixer=dsa", "model.mixer=[dsa,softmax]", "ffn=moe", "ffn.options.aux_free_bias=true", "mixer.options.topk=16"]
 DSA_WARMUP = ["mixer=dsa", "mixer.options.stage=warmup", "mixer.options.topk=16", "trainer.trainable=[indexer]"]
 VAL_TOKENS = 2 * 4 * 63  # conftest.TINY: eval_batches x batch_size sequences of seq_len 64, 63 targets each
@@ -60,7 +59,7 @@ def test_ddp_two_processes_equals_grad_accum_with_unused_search_off(tmp_path, da
     """Dense AdamW (Muon under DDP: the MoE + DSA test below)."""
     one, two = tmp_path / "one", tmp_path / "two"
     train_here(one, "trainer.grad_accum=2", "trainer.max_steps=4", "optimizer=adamw", cache=data_cache)
-    run_train(two, "trainer.max_steps=4", "optimizer=adamw", launcher=DDP, cache=data_cache)
+    run_train(two, "trainer.max_steps=4", "optimizer=adamw", launcher=ddp_launcher(), cache=data_cache)
     assert run_info(one)["processes"] == 1 and run_info(two)["processes"] == 2
     # A dense model: every parameter gets a gradient, so DDP runs without the unused-parameter search.
     assert run_info(two)["ddp_find_unused_parameters"] is False
@@ -81,7 +80,7 @@ def test_ddp_moe_dsa_expert_parallel_equals_grad_accum_and_resumes_across_layout
 
     ref, two, resumed, split = tmp_path / "ref", tmp_path / "two", tmp_path / "resumed", tmp_path / "split"
     train_here(ref, *MOE_DSA, "trainer.grad_accum=2", "trainer.keep_checkpoints=5", cache=data_cache)
-    run_train(two, *MOE_DSA, "trainer.expert_parallel=2", "trainer.keep_checkpoints=5", launcher=DDP, cache=data_cache)
+    run_train(two, *MOE_DSA, "trainer.expert_parallel=2", "trainer.keep_checkpoints=5", launcher=ddp_launcher(), cache=data_cache)
     info = run_info(two)
     assert info["processes"] == 2 and info["expert_parallel"] == 2 and info["ddp_find_unused_parameters"] is True
     assert info["params"] == run_info(ref)["params"]  # counted before the experts were split
@@ -116,7 +115,7 @@ def test_ddp_moe_dsa_expert_parallel_equals_grad_accum_and_resumes_across_layout
 
     (split / "checkpoints").mkdir(parents=True)
     shutil.copytree(ref / "checkpoints" / "step_0000004", split / "checkpoints" / "step_0000004")
-    proc = run_train(split, *MOE_DSA, "trainer.expert_parallel=2", "resume=auto", launcher=DDP, cache=data_cache)
+    proc = run_train(split, *MOE_DSA, "trainer.expert_parallel=2", "resume=auto", launcher=ddp_launcher(), cache=data_cache)
     assert "saved by 1 process(es), now 2" in proc.stdout and run_info(split)["expert_parallel"] == 2
     assert_same_losses(losses(ref), losses(split), [5, 6, 7, 8])
     assert_same_val(val_metrics(ref), val_metrics(split), [8])
@@ -132,7 +131,7 @@ def test_dsa_warmup_checkpoint_of_one_process_resumes_on_two(tmp_path, data_cach
     train_here(one, *DSA_WARMUP, "trainer.keep_checkpoints=5", cache=data_cache)
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(one / "checkpoints" / "step_0000004", resumed / "checkpoints" / "step_0000004")
-    proc = run_train(resumed, *DSA_WARMUP, "resume=auto", launcher=DDP, cache=data_cache)
+    proc = run_train(resumed, *DSA_WARMUP, "resume=auto", launcher=ddp_launcher(), cache=data_cache)
     assert "saved by 1 process(es), now 2" in proc.stdout
     assert run_info(resumed)["processes"] == 2
     assert_same_losses(losses(one), losses(resumed), [5, 6, 7, 8])
@@ -153,7 +152,7 @@ def test_fsdp_export_and_checkpoint_round_trip(tmp_path):
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                           "--master_port", "29561", "-m", "tests.fsdp_worker", str(tmp_path)],
+                           "--master_port", str(free_port()), "-m", "tests.fsdp_worker", str(tmp_path)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / "result.json").read_text())

@@ -5,25 +5,23 @@ EP 2); each run asserts the world, EP and data-parallel sizes that ran. Training
 and the export: tests/test_distributed.py. Bad sizes are one line."""
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, ddp_launcher
 from model import DecoderLM, LMConfig
 from model.ffn.routers import ROUTERS
 from training.parallel import apply_expert_parallel
 
-DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-       str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
+
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_split_layer_equals_the_unsplit_layer(tmp_path, world):
-    proc = subprocess.run([*DDP, "--num_processes", str(world), "-m", "tests.ep_worker", str(tmp_path), "2"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([*ddp_launcher("--num_processes", str(world)), "-m", "tests.ep_worker", str(tmp_path), "2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads((tmp_path / f"ep2_world{world}.json").read_text())
     assert result["world_size"] == world and sorted(result["routers"]) == ROUTERS.names()

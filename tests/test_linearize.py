@@ -18,7 +18,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from conftest import ROOT, TINY, run_train, train_here
+from conftest import ROOT, TINY, ddp_launcher, run_train, train_here
 from model import DecoderLM, LMConfig
 from training.checkpoint import load_matching_weights
 from training.objectives.linearize import Linearization, distill_kl, load_teacher, teacher_state_for
@@ -191,12 +191,12 @@ def test_stages_under_ddp_equal_one_process_with_accumulation(tmp_path, tiny_run
     """transfer, distill and finetune on 2 processes (DDP; the trained set changes at each stage) give the
     losses, transfer errors and KL of 1 process with accumulation, step by step; each stage's last step is
     evaluated, and step 0 (the zero-shot student)."""
-    from test_distributed import DDP, run_info
+    from test_distributed import run_info
 
     teacher_dir, _ = tiny_run
     one, two = tmp_path / "one", tmp_path / "two"
     train_here(one, *STAGES, f"init_from={teacher_dir}", "trainer.grad_accum=2", "trainer.ckpt_every=2", cache=data_cache)
-    run_train(two, *STAGES, f"init_from={teacher_dir}", launcher=DDP, cache=data_cache)
+    run_train(two, *STAGES, f"init_from={teacher_dir}", launcher=ddp_launcher(), cache=data_cache)
     assert run_info(one)["processes"] == 1 and run_info(two)["processes"] == 2
     assert run_info(two)["ddp_find_unused_parameters"] is True
     assert stages(one) == stages(two) == {1: 0, 2: 0, 3: 1, 4: 1, 5: 2, 6: 2}
@@ -213,7 +213,7 @@ def test_stages_under_ddp_equal_one_process_with_accumulation(tmp_path, tiny_run
     resumed = tmp_path / "resumed"
     (resumed / "checkpoints").mkdir(parents=True)
     shutil.copytree(one / "checkpoints" / "step_0000002", resumed / "checkpoints" / "step_0000002")
-    proc = run_train(resumed, *STAGES, f"init_from={teacher_dir}", "resume=auto", launcher=DDP, cache=data_cache)
+    proc = run_train(resumed, *STAGES, f"init_from={teacher_dir}", "resume=auto", launcher=ddp_launcher(), cache=data_cache)
     assert "resumed from" in proc.stdout and "at step 2 (saved by 1 process(es), now 2)" in proc.stdout
     assert losses(resumed) == pytest.approx({s: losses(one)[s] for s in range(3, 7)}, rel=1e-4, abs=1e-7)
 

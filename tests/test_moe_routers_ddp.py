@@ -12,11 +12,10 @@ import sys
 
 import pytest
 
-from conftest import ROOT
+from conftest import ROOT, ddp_launcher
 from model.ffn.routers import ROUTERS
 
-DDP = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-       str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
+
 
 
 def launch(launcher: list[str], out, grad_accum: int) -> dict:
@@ -41,7 +40,7 @@ def test_ddp_equals_accumulation_for_every_router(tmp_path):
     (tmp_path / "one").mkdir()
     (tmp_path / "two").mkdir()
     one = launch([sys.executable], tmp_path / "one", grad_accum=2)
-    two = launch(DDP, tmp_path / "two", grad_accum=1)
+    two = launch(ddp_launcher(), tmp_path / "two", grad_accum=1)
     assert one["world_size"] == 1 and two["world_size"] == 2
     assert sorted(one["routers"]) == sorted(two["routers"]) == ROUTERS.names()  # every registered router ran
     for router, ref in one["routers"].items():

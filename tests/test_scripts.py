@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from conftest import TINY
+from conftest import TINY, ddp_launcher
 from model.registry import MIXERS, ROUTERS
 from scripts.bench import SUITES as BENCH_SUITES
 
@@ -217,6 +217,8 @@ def test_bench_suite_runs(suite, tmp_path, monkeypatch, data_cache):
         tokens_per_sec, loader = module.default_model_tokens_per_sec, module.loader_throughput
         monkeypatch.setattr(module, "default_model_tokens_per_sec", lambda steps: tokens_per_sec(1))
         monkeypatch.setattr(module, "loader_throughput", lambda *args: loader(*args[:3], 0.05))
+    if suite == "ep":  # its two launches on a port of their own (tests may run side by side)
+        monkeypatch.setattr(module, "LAUNCH", ddp_launcher())
     if suite == "recipe":  # the tiny model, 4 steps, on 40 files (ours, the peer in its process, the val split)
         small_stdlib(monkeypatch)
         monkeypatch.setattr(module, "WORK", tmp_path)
@@ -294,6 +296,15 @@ def check_dsa(report):
     assert_ratio(cases, "speed-up vs dense fwd+bwd", lambda r: dense, lambda r: number(r["CPU ms"]), digits=0.05)
 
 
+def check_ep(report):
+    (rows,) = tables(report)
+    ddp = rows[0]
+    assert_ratio(rows, "step / DDP", lambda r: number(r["step s"]), lambda r: number(ddp["step s"]), digits=0.01)
+    assert_ratio(rows, "memory / DDP", lambda r: number(r["peak RSS GB (rank 0)"]), lambda r: number(ddp["peak RSS GB (rank 0)"]),
+                 digits=0.01)
+    assert number(rows[1]["all-to-all MB sent per step (rank)"]) > 0  # the split experts' rows did travel
+
+
 def check_gdn(report):
     op, model = tables(report)
     # the last column, max |o - o_tf| (its header's bars split it in two cells): our op computes transformers' rule
@@ -345,5 +356,6 @@ def check_scaling(report):
     assert_ratio(rows, "t(512)/t(256)", lambda r: number(r["T=512"]), lambda r: number(r["T=256"]))
 
 
-BENCH_CHECKS = {"data": check_data, "docmask": check_docmask, "dsa": check_dsa, "gdn": check_gdn, "mamba2": check_mamba2,
-                "model": check_model, "moe": check_moe, "recipe": check_recipe, "scaling": check_scaling}
+BENCH_CHECKS = {"data": check_data, "docmask": check_docmask, "dsa": check_dsa, "ep": check_ep, "gdn": check_gdn,
+                "mamba2": check_mamba2, "model": check_model, "moe": check_moe, "recipe": check_recipe,
+                "scaling": check_scaling}
