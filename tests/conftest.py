@@ -9,9 +9,19 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# One torch thread per pytest-xdist worker when several share the cores (two threads each would only contend).
+# pytest-xdist workers share the cores: each worker, and each process a test starts, gets its share of them
+# (more threads would only contend; and a run inside a test and its reference in a subprocess then sum alike).
 WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // WORKERS)))
+THREADS = max(1, min(2, (os.cpu_count() or 1) // WORKERS))
+torch.set_num_threads(THREADS)
+if WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(THREADS))
+
+
+def pytest_collection_modifyitems(items):
+    """The slow tests first (the order is otherwise kept): pytest-xdist's workers start on the long runs and
+    share out the many short tests after, rather than ending on a few long ones side by side."""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="session")

@@ -217,8 +217,10 @@ def test_bench_suite_runs(suite, tmp_path, monkeypatch, data_cache):
         tokens_per_sec, loader = module.default_model_tokens_per_sec, module.loader_throughput
         monkeypatch.setattr(module, "default_model_tokens_per_sec", lambda steps: tokens_per_sec(1))
         monkeypatch.setattr(module, "loader_throughput", lambda *args: loader(*args[:3], 0.05))
-    if suite == "ep":  # its two launches on a port of their own (tests may run side by side)
+    if suite == "ep":  # its two launches on a port of their own (tests may run side by side), the tiny model, 4 steps
         monkeypatch.setattr(module, "LAUNCH", ddp_launcher())
+        train = module.train
+        monkeypatch.setattr(module, "train", lambda run_dir, steps, *overrides: train(run_dir, 4, *TINY_MODEL, *overrides))
     if suite == "recipe":  # the tiny model, 4 steps, on 40 files (ours, the peer in its process, the val split)
         small_stdlib(monkeypatch)
         monkeypatch.setattr(module, "WORK", tmp_path)
