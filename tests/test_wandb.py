@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, train_here
+from conftest import ROOT, TINY, run_train
 from analysis.report import compare
 from analysis.wandb_runs import wandb_records
 from training.jobs import compose
@@ -54,10 +54,11 @@ def test_schedule_tag_and_architecture():
 def test_hybrid_moe_run_carries_group_tags_metrics_summary_and_media(tmp_path, data_cache):
     """The 24-layer hybrid + MoE run that used to die on a 96-character tag."""
     run = tmp_path / "run"
-    train_here(run, "logger=wandb", "model.num_hidden_layers=24", f"model.mixer={HYBRID_24}", "ffn=moe",
-               "model.hidden_size=32", "model.num_attention_heads=2", "model.num_key_value_heads=2",
-               "trainer.seq_len=32", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=1",
-               "trainer.sample_tokens=0", cache=data_cache)  # W&B offline: conftest sets WANDB_MODE
+    # a process of its own: what the test reads is the offline W&B files a finished run leaves
+    run_train(run, "logger=wandb", "model.num_hidden_layers=24", f"model.mixer={HYBRID_24}", "ffn=moe",
+              "model.hidden_size=32", "model.num_attention_heads=2", "model.num_key_value_heads=2",
+              "trainer.seq_len=32", "trainer.max_steps=2", "trainer.eval_every=2", "trainer.eval_batches=1",
+              "trainer.sample_tokens=0", cache=data_cache, env={"WANDB_MODE": "offline"})
     w = offline_run(next((run / "wandb").glob("offline-run-*")))
     assert w["run"].run_group == "softmax-moe-tiny"  # a single run: the run name (no experiment)
     assert w["run"].job_type == "gdn:softmax 3:1-moe-tiny"
