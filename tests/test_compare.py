@@ -156,6 +156,7 @@ def offline_wandb_run(tmp_path_factory):
     return next(folder.glob("wandb/offline-run-*"))
 
 
+@pytest.mark.slow
 def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     runs = tmp_path / "runs"
     write_run(runs / "a_softmax", tiny_config(), train_rows([100, 200, 300, 400], [4.0, 3.5, 3.0, 2.5]),
@@ -200,6 +201,7 @@ def test_compare_table_and_plots(tmp_path, offline_wandb_run):
     assert len(result["summaries"]) == 4
 
 
+@pytest.mark.slow
 def test_compare_reads_wandb_api(tmp_path, monkeypatch):
     """--wandb ENTITY/PROJECT/GROUP: runs come from wandb.Api().runs(project, filters={'group': ...}) (a
     stand-in here: no network); history rows map _step/_runtime, unfinished runs are skipped with a note."""
@@ -260,6 +262,7 @@ def test_experiment_declares_its_lr_axis():
     assert sweep.with_config_axes(["experiment=quick"]) == ["experiment=quick"]
 
 
+@pytest.mark.slow
 def test_compare_best_over_lr_with_seeds(tmp_path):
     """--best-over trainer.lr: gdn is best at 3e-3 (MQAR accuracy, higher), softmax at 1e-3 (val loss,
     lower, no MQAR); the table gives the best lr's mean and min-max over the seeds and every lr's mean,
@@ -310,6 +313,7 @@ def test_sweep_takes_overrides_after_its_options(capsys):
     assert "sweep of 2 job(s)" in out and "seed=1" in out
 
 
+@pytest.mark.slow
 def test_compare_best_over_parametrization(tmp_path):
     """model.parametrization is an axis as trainer.lr is: a sweep expands it, and --best-over picks each
     architecture's best value (gdn: tied, by MQAR accuracy), the others staying in the table."""
@@ -369,6 +373,7 @@ def test_grid_edge_values():
     assert best.grid_edge(["tied"], "tied") == ("single value", [])
 
 
+@pytest.mark.slow
 def test_compare_best_over_flags_the_grid_edge(tmp_path, capsys):
     """Grid 5e-3, 1e-2, 2e-2 over seeds 0 and 1: softmax is best at 2e-2 (high edge: extend to 4e-2, with the
     overrides of its own command line), gdn at 5e-3 (low edge: 2.5e-3, with the overrides that tell it from the
@@ -417,6 +422,7 @@ def test_compare_best_over_flags_the_grid_edge(tmp_path, capsys):
     assert sorted(report["softmax-dense-d32"]["best_runs"]) == ["softmax_0.02_0", "softmax_0.02_1"]
 
 
+@pytest.mark.slow
 def test_compare_best_over_picks_on_the_seeds_every_value_ran(tmp_path):
     """The study's gdn at B2: seeds 0 and 1 at 1e-2 (seed 1 unlucky), seed 0 alone at 5e-3 and 2e-2. Over all
     seeds 5e-3 would win and be flagged at the low edge; on seed 0, the seed every lr ran, 1e-2 is best,
@@ -439,6 +445,7 @@ def test_compare_best_over_picks_on_the_seeds_every_value_ran(tmp_path):
     assert report["mamba2-dense-d32"]["seeds_compared"] == []
 
 
+@pytest.mark.slow
 def test_compare_best_over_tags_wandb_runs_on_the_edge(tmp_path, monkeypatch):
     """--wandb: the runs at a flagged architecture's best lr get the tag best-on-grid-edge (run.tags, run.update()),
     a stale tag on a run not at it is removed, and a run that refuses the change leaves a note, not an error."""
@@ -479,6 +486,7 @@ def test_budget_line():
     assert summary.budget_line([steps, at(steps, 1e-2, 0, batch_size=4)]).startswith("mixed budgets: ")
 
 
+@pytest.mark.slow
 def test_compare_flops_axis_and_budget_sections(tmp_path, plotted):
     """train_flops = final tokens x run_info's train_flops_per_token; val_bpb_flops.png plots val bpb against tokens
     seen x train_flops_per_token, val_bpb_time.png against time/elapsed. Under --best-over, runs at two FLOPs budgets
@@ -515,6 +523,7 @@ def test_compare_flops_axis_and_budget_sections(tmp_path, plotted):
     assert md.count("| 0.02 | - |") == 2  # each budget's lr grid is one architecture, best inside
 
 
+@pytest.mark.slow
 def test_every_figure_draws_an_architecture_in_its_colour(tmp_path, plotted):
     """Without --best-over, one series per architecture: two seeds at one budget are one point, their mean (the band
     spans them), two budgets two points of that series. One colour per mixer in every figure of the report; an
@@ -558,6 +567,7 @@ def eval_report(seq_lens=(64, 128), bands=(2.0, 2.5), acc=((1.0, 0.5), (0.5, 0.0
                 {"context": 512, "skipped": "out of memory"}]}}
 
 
+@pytest.mark.slow
 def test_compare_eval_suite_plots(tmp_path, plotted):
     """length.png, recall_state.png, recall_throughput.png and decode.png from fake eval.json (a run without the
     suites is left out), and the band table: per run, then per architecture at its best lr (mean over seeds)."""

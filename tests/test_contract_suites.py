@@ -39,6 +39,7 @@ def test_options_parse_and_quick_options_are_options(name):
     parse_options(name, suite.Options, suite.quick_options)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", SUITES.names())
 def test_suite_runs_on_a_trained_checkpoint(name, tiny_run, data_cache, tmp_path):
     from eval import evaluate_checkpoint

@@ -45,6 +45,7 @@ def test_stdlib_corpus_is_the_standard_library_without_tests():
     assert again[0] == train and again[1] == val  # deterministic split and order
 
 
+@pytest.mark.slow
 def test_token_store_is_flat_memory_mapped_and_deterministic(tmp_path):
     a = build_data(stdlib_cfg(tmp_path / "a"), 32, seed=0)
     b = build_data(stdlib_cfg(tmp_path / "b"), 32, seed=0)  # a fresh cache: tokenizer retrained
@@ -70,6 +71,7 @@ def test_token_store_is_flat_memory_mapped_and_deterministic(tmp_path):
     assert torch.equal(blocks(a.train).flatten(), torch.tensor(expected[: len(a.train) * 32]))
 
 
+@pytest.mark.slow
 def test_document_positions_restart_at_each_eos(tmp_path):
     data = build_data(stdlib_cfg(tmp_path), 64, seed=0)
     starts = set(data.train.store.doc_starts[1:] - 1)  # the EOS before each later document
@@ -89,6 +91,7 @@ def test_document_positions_restart_at_each_eos(tmp_path):
     assert "position_ids" not in no_mask.train.batch(rows)
 
 
+@pytest.mark.slow
 def test_local_txt_jsonl_parquet_and_num_proc(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -140,6 +143,7 @@ def test_hub_dataset_without_val_split_and_streamed(tmp_path):
     assert first_document(streamed.train.store) == texts[0] and first_document(streamed.val.store) == texts[27]
 
 
+@pytest.mark.slow
 def test_broken_cache_is_rebuilt_not_reused(tmp_path, capsys):
     cfg = stdlib_cfg(tmp_path)
     good = blocks(build_data(cfg, 32, seed=0).train)

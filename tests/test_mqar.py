@@ -109,6 +109,7 @@ def test_accuracy_counts_query_positions_only():
     assert data.extra_eval(Oracle(data.val, 64), "cpu")["val/mqar_acc"] == 1.0
 
 
+@pytest.mark.slow
 def test_softmax_learns_tiny_mqar():
     """2-layer softmax attention, 250 steps: recall well above the 1/num_kv_pairs = 0.5 that guessing
     one of the context's values gets (and far above 1/(V/2) uniform chance)."""

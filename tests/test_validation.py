@@ -36,6 +36,7 @@ def every_train_config():
         yield composed(f"experiment={experiment}", *(["init_from=teacher"] if experiment == "linearize" else []))
 
 
+@pytest.mark.slow
 def test_every_number_and_flag_has_a_rule():
     """A new option cannot go unchecked: every int, float or bool in any composed config (and in eval's)
     is covered by a rule (block and suite options are their dataclasses' business)."""
