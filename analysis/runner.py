@@ -41,6 +41,11 @@ def final_val_loss(run_dir: Path) -> float | None:
     return evals[-1] if evals and (Path(run_dir) / "final").exists() else None
 
 
+def start(cmd: list[str], log, env: dict | None) -> subprocess.Popen:
+    """One job's process, its console into the open log file (tests swap in an in-process run here)."""
+    return subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
 def run_jobs(jobs: list[dict], launcher: list[str] | None = None, parallel: int = 1,
              status_file: Path | None = None) -> list[dict]:
     """Runs each job ({name, overrides, run_dir}: train.py <overrides> run_dir=<run_dir>) and records in it its
@@ -72,8 +77,7 @@ def run_jobs(jobs: list[dict], launcher: list[str] | None = None, parallel: int 
                 cmd = launcher + [str(ROOT / "train.py"), *j["overrides"], f"run_dir={run_dir}",
                                   f"hydra.run.dir=${{rank_zero_dir:{run_dir}}}"]
                 with open(log_path(j), "a") as log:
-                    running[i] = (j, subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env),
-                                  time.time())
+                    running[i] = (j, start(cmd, log, env), time.time())
             for i, (j, proc, t0) in list(running.items()):
                 if proc.poll() is not None:
                     del running[i]

@@ -119,6 +119,46 @@ def train_here(run_dir: Path, *overrides: str, cache: Path | None = None, base: 
     return printed.getvalue()
 
 
+class FinishedJob:
+    """A job that ran to its end before it was handed back: poll() and wait() give its exit code."""
+
+    def __init__(self, returncode: int):
+        self.returncode = returncode
+
+    def poll(self) -> int:
+        return self.returncode
+
+    wait = poll
+
+
+@pytest.fixture
+def jobs_here(monkeypatch):
+    """analysis.runner's train.py jobs (the study drivers') run in this process through train_here, one after
+    another, each job's console in its log as a process would leave it: for tests whose subject is the driver
+    (its grid, resume and tables), not train.py's process."""
+    import contextlib
+    import traceback
+
+    import analysis.runner
+
+    def start(cmd: list[str], log, env) -> FinishedJob:
+        overrides = cmd[next(i for i, c in enumerate(cmd) if c.endswith("train.py")) + 1:]
+        (run_dir,) = [o.split("=", 1)[1] for o in overrides if o.startswith("run_dir=")]
+        overrides = [o for o in overrides if not o.startswith(("run_dir=", "hydra."))]
+        with contextlib.redirect_stdout(log):
+            try:
+                train_here(Path(run_dir), *overrides, base=[])
+            except SystemExit as e:
+                log.write(f"{e.code}\n" if isinstance(e.code, str) else "")
+                return FinishedJob(0 if e.code is None else e.code if isinstance(e.code, int) else 1)
+            except Exception:
+                traceback.print_exc(file=log)
+                return FinishedJob(1)
+        return FinishedJob(0)
+
+    monkeypatch.setattr(analysis.runner, "start", start)
+
+
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory, data_cache) -> tuple[Path, str]:
     """One default run of TINY (softmax + dense, 8 steps, checkpoint at 4, final/ export), trained in this

@@ -62,11 +62,11 @@ def test_linearize_both_parts(tmp_path, softmax_run, monkeypatch):
     assert (tmp_path / "layer_errors.png").stat().st_size > 0
 
 
-def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch):
+def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch, jobs_here):
     """The tiny softmax run linearized into derived GDN at two lrs (2 steps: transfer 1, distill 1) beside derived
     GDN from scratch for 2 steps: the table's row holds the teacher's val bpb gap, the zero-shot score of step 0
     (the same at both lrs: nothing trained yet), a best lr flagged as the grid's edge, and the curves plot. The
-    script runs in this process (its train.py runs in their own), as `python studies/linearize.py ...`."""
+    script runs in this process as `python studies/linearize.py ...`, and its train.py jobs too (jobs_here)."""
     from studies import linearize
 
     overrides = [o for o in TINY_MODEL if o != "logger=none"] + ["trainer.seq_len=64", "trainer.batch_size=4",
@@ -98,12 +98,12 @@ def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch)
     assert row[5].endswith("[1 of 2 seeds]"), row
 
 
-def test_dsa_study_every_stage(tmp_path, softmax_run, data_cache, monkeypatch):
+def test_dsa_study_every_stage(tmp_path, softmax_run, data_cache, monkeypatch, jobs_here):
     """From the tiny softmax run: the four train.py stages at seq_len 128 (DSA's default top-k 64 is
     below it), init_from loading every matching weight (the indexer new), and the summary: the stages
     whose attention is dense (softmax, DSA with an untrained or a warmed-up indexer) have one val loss,
-    since the LM loss does not depend on the indexer there. The script runs in this process (its
-    train.py stages in their own, each writing its console to <out>/<stage>.log), as `python studies/dsa.py ...`."""
+    since the LM loss does not depend on the indexer there. The script runs in this process as
+    `python studies/dsa.py ...`, and its train.py stages too (jobs_here), each console in <out>/<stage>.log."""
     from studies import dsa
 
     overrides = [*TINY_MODEL, "trainer.seq_len=128", "trainer.max_steps=2", "trainer.warmup_steps=1",
