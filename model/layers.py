@@ -128,6 +128,42 @@ class DocumentSegments:
         return x.reshape(1, -1, *x.shape[2:])
 
 
+class KVBuffer:
+    """A decode cache's growing tensor (keys, values, index keys): appends along `dim` into storage reserved
+    BLOCK positions at a time, the filled part handed out as a view. A decoded token copies only itself;
+    the whole context is copied once per BLOCK tokens, where torch.cat would copy it every token."""
+
+    BLOCK = 256
+
+    def __init__(self, dim: int):
+        self.dim, self.storage, self.length = dim, None, 0
+
+    def append(self, x: torch.Tensor) -> torch.Tensor:
+        """Writes x (detached: a cache carries no gradient) after the filled part; returns the new filled part."""
+        needed = self.length + x.shape[self.dim]
+        if self.storage is None or needed > self.storage.shape[self.dim]:
+            shape = list(x.shape)
+            shape[self.dim] = -(-needed // self.BLOCK) * self.BLOCK
+            storage = x.new_empty(shape)
+            if self.storage is not None:
+                storage.narrow(self.dim, 0, self.length).copy_(self.filled())
+            self.storage = storage
+        self.storage.narrow(self.dim, self.length, x.shape[self.dim]).copy_(x.detach())
+        self.length = needed
+        return self.filled()
+
+    def filled(self) -> torch.Tensor:
+        return self.storage.narrow(self.dim, 0, self.length)
+
+    def reorder(self, rows: torch.Tensor) -> None:
+        """Keeps the batch rows `rows` (beam search's reorder, or a row repeated)."""
+        self.storage = self.storage.index_select(0, rows.to(self.storage.device))
+
+    def nbytes(self) -> int:
+        """Bytes of the filled part (the reserved tail, under BLOCK positions, is not counted)."""
+        return self.filled().numel() * self.storage.element_size()
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (fp64 for fp64 inputs)."""
 

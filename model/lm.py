@@ -14,7 +14,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from model.config import LMConfig
 from model.ffn import FFNS
-from model.layers import AuxCollector, DocumentSegments, RMSNorm, at_least_fp32
+from model.layers import AuxCollector, DocumentSegments, KVBuffer, RMSNorm, at_least_fp32
 from model.mixers import MIXERS
 
 
@@ -37,12 +37,15 @@ class DecodeCache:
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for layer in self.layers:
             for key, value in layer.items():
-                if torch.is_tensor(value) and value.dim() > 0:
+                if isinstance(value, KVBuffer):
+                    value.reorder(beam_idx)
+                elif torch.is_tensor(value) and value.dim() > 0:
                     layer[key] = value.index_select(0, beam_idx.to(value.device))
 
     def layer_nbytes(self) -> list[int]:
-        """Bytes of every tensor each layer keeps (K/V, conv tails, recurrent states)."""
-        return [sum(v.numel() * v.element_size() for v in layer.values() if torch.is_tensor(v)) for layer in self.layers]
+        """Bytes of what each layer keeps (K/V, conv tails, recurrent states)."""
+        return [sum(v.nbytes() if isinstance(v, KVBuffer) else v.numel() * v.element_size()
+                    for v in layer.values() if isinstance(v, KVBuffer) or torch.is_tensor(v)) for layer in self.layers]
 
     def nbytes(self) -> int:
         return sum(self.layer_nbytes())

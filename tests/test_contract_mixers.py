@@ -3,7 +3,7 @@ mixer added as its two files (docs/extending.md) is checked here with no test fi
 hybrid with softmax attention, at its default options:
 
 - cached decoding (a prefill, a chunk, single tokens) equals the full forward, and so does decoding after the
-  cache is reordered as beam search does;
+  cache is reordered as beam search does (K/V storage reserved 8 positions at a time, so that both cross its growth);
 - a packed row (document positions) equals its documents run alone;
 - init_parameters() reaches every parameter;
 - one step under bf16 autocast gives finite fp32 gradients to every parameter of the mixer;
@@ -22,9 +22,15 @@ import torch
 
 from conftest import reinitialised_over_nan
 from model import DecodeCache, DecoderLM, LMConfig
+from model.layers import KVBuffer
 from model.registry import MIXERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def small_kv_blocks(monkeypatch):
+    monkeypatch.setattr(KVBuffer, "BLOCK", 8)
 
 VOCAB = 61
 LAYOUTS = [[name] for name in MIXERS.names()] + [[name, "softmax"] for name in MIXERS.names() if name != "softmax"]

@@ -435,7 +435,7 @@ def test_decoding_matches_full_forward(forced_path):
         cache = DecodeCache(model.config.num_hidden_layers)
         steps = [model(ids[:, :7], past_key_values=cache), model(ids[:, 7:10], past_key_values=cache)]
         steps += [model(ids[:, t : t + 1], past_key_values=cache) for t in range(10, 19)]
-    assert cache.layers[0]["k"].shape[1] == 19 and cache.layers[0]["index_k"].shape[1] == 19
+    assert cache.layers[0]["k"].filled().shape[1] == 19 and cache.layers[0]["index_k"].filled().shape[1] == 19
     torch.testing.assert_close(torch.cat([s.logits for s in steps], 1), full, atol=1e-4, rtol=0)
     assert not any(s.aux_metrics for s in steps)  # no indexer loss / recall while decoding
 

@@ -142,17 +142,22 @@ def test_length_takes_single_document_blocks():
 
 # ---- decode --------------------------------------------------------------------------------------
 def test_softmax_cache_is_its_kv():
-    """2 (K, V) x layers x kv heads x head_dim x T x 4 bytes (fp32), GQA: kv heads, not query heads."""
-    report = decode_costs(tiny_lm("softmax"), [16, 32], 2, 0, "cpu")
+    """2 (K, V) x layers x kv heads x head_dim x T x 4 bytes (fp32), GQA: kv heads, not query heads; each batch
+    size decoded, in its order, the row's decode figures being the first's."""
+    report = decode_costs(tiny_lm("softmax"), [16, 32], 2, [1, 3], 0, "cpu")
     for row in report["rows"]:
         assert row["cache_bytes"] == 2 * 2 * 2 * 8 * row["context"] * 4
         assert row["cache_bytes_per_layer"] == [row["cache_bytes"] // 2] * 2
-        assert row["prefill_tokens_per_sec"] > 0 and row["decode_tokens_per_sec"] > 0 and row["peak_mem_bytes"] >= 0
+        assert [b["batch"] for b in row["batches"]] == [1, 3]
+        assert row["decode_tokens_per_sec"] == row["batches"][0]["tokens_per_sec"]
+        assert row["decode_peak_mem_bytes"] == row["batches"][0]["peak_mem_bytes"]
+        assert row["prefill_tokens_per_sec"] > 0 and row["prefill_peak_mem_bytes"] >= 0
+        assert all(b["tokens_per_sec"] > 0 and b["peak_mem_bytes"] >= 0 for b in row["batches"])
 
 
 def test_dsa_cache_is_kv_and_indexer_keys():
     """Per layer and token: K and V (kv heads x head_dim each) and one indexer key (index_head_dim)."""
-    for row in decode_costs(tiny_lm("dsa"), [16, 32], 2, 0, "cpu")["rows"]:
+    for row in decode_costs(tiny_lm("dsa"), [16, 32], 2, [1], 0, "cpu")["rows"]:
         assert row["cache_bytes"] == 2 * (2 * 2 * 8 + DSA["index_head_dim"]) * row["context"] * 4
 
 
@@ -160,7 +165,7 @@ def test_dsa_cache_is_kv_and_indexer_keys():
 def test_a_cache_is_a_fixed_state_or_grows_with_each_token(mixer):
     """What the decode suite reports of any mixer: a recurrent state of fixed size, or keys (and values) that
     grow by the same bytes for every token of the context, nothing in between."""
-    small, large = (row["cache_bytes"] for row in decode_costs(tiny_lm(mixer), [16, 48], 2, 0, "cpu")["rows"])
+    small, large = (row["cache_bytes"] for row in decode_costs(tiny_lm(mixer), [16, 48], 2, [1], 0, "cpu")["rows"])
     assert small > 0 and (large == small or large == 3 * small), (small, large)
 
 
@@ -170,7 +175,7 @@ def test_decode_measures_past_the_position_bound():
     size it has at 60), and the bound is restored after."""
     for mixer in ("softmax", "gdn"):
         lm = tiny_lm(mixer)
-        rows = decode_costs(lm, [60, 128], 4, 0, "cpu")["rows"]
+        rows = decode_costs(lm, [60, 128], 4, [1], 0, "cpu")["rows"]
         assert [row["context"] for row in rows] == [60, 128] and not any("skipped" in row for row in rows)
         assert all(row["prefill_tokens_per_sec"] > 0 and row["decode_tokens_per_sec"] > 0 for row in rows)
         if mixer == "softmax":  # 2 (K, V) x 2 layers x 2 kv heads x 8 dims x 4 bytes per token

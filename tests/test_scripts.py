@@ -358,6 +358,12 @@ def check_scaling(report):
     assert_ratio(rows, "t(512)/t(256)", lambda r: number(r["T=512"]), lambda r: number(r["T=256"]))
 
 
-BENCH_CHECKS = {"data": check_data, "docmask": check_docmask, "dsa": check_dsa, "ep": check_ep, "gdn": check_gdn,
+def check_decode(report):
+    (rows,) = tables(report)
+    assert [r["context"] for r in rows] == ["256", "512"]
+    assert_ratio(rows, "ours / Llama", lambda r: number(r["ours tokens/s"]), lambda r: number(r["transformers Llama tokens/s"]))
+
+
+BENCH_CHECKS = {"data": check_data, "decode": check_decode, "docmask": check_docmask, "dsa": check_dsa, "ep": check_ep, "gdn": check_gdn,
                 "mamba2": check_mamba2, "model": check_model, "moe": check_moe, "recipe": check_recipe,
                 "scaling": check_scaling}

@@ -1,5 +1,7 @@
-"""The decode suite: prefill and decode tokens/s, peak memory and decode-cache bytes against the context,
-measured on random tokens (positions past max_position_embeddings too: evaluation/context.py)."""
+"""The decode suite: prefill tokens/s, decode tokens/s at several batch sizes, each phase's peak memory and the
+decode-cache bytes against the context, measured on random tokens (positions past max_position_embeddings too:
+evaluation/context.py)."""
+import copy
 import ctypes
 import threading
 import time
@@ -18,6 +20,7 @@ from model.options import option
 class DecodeOptions:
     contexts: list[int] = option([512, 1024, 2048, 4096, 8192, 16384], at_least=1)  # prompt lengths (tokens)
     tokens: int = option(32, at_least=1)  # greedy single-token steps after each prompt
+    batch_sizes: list[int] = option([1, 8, 32], at_least=1)  # rows decoded at once (the prompt's cache repeated)
 
 
 class PeakMemory:
@@ -75,41 +78,51 @@ def clock(device) -> float:
 
 
 @torch.no_grad()
-def measure_decode(lm, context: int, decode_tokens: int, seed: int, device) -> dict:
-    """One prompt of `context` random tokens: prefill = one forward that builds the DecodeCache
-    (use_cache=True, logits of the last position only, as generate's first step), then decode_tokens
-    greedy one-token steps from that cache (as generate's later steps). tokens/s = tokens / wall time;
-    cache bytes per layer after the prefill (every tensor the layer keeps); peak memory over both
-    (PeakMemory)."""
+def measure_decode(lm, context: int, decode_tokens: int, batch_sizes: list[int], seed: int, device) -> dict:
+    """One prompt of `context` random tokens: prefill = one forward that builds the DecodeCache (use_cache=True,
+    logits of the last position only, as generate's first step); then, per batch size b, that cache repeated
+    into b rows and decode_tokens greedy one-token steps from it (as generate's later steps; rows alike cost
+    what distinct rows would). tokens/s = tokens decoded (b per step) / wall time; the cache's bytes per layer
+    after the prefill (one row); peak memory of each phase apart (PeakMemory: the prefill's transients, then
+    each decode's growth of its cache and its transients). The row's decode_* fields are batch_sizes[0]'s."""
     prompt = torch.randint(lm.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(seed))
     prompt = prompt.to(device)
     with PeakMemory(device) as memory:
         start = clock(device)
         out = lm(input_ids=prompt, use_cache=True, logits_to_keep=1)
         prefill = clock(device) - start
-        cache = out.past_key_values
-        per_layer = cache.layer_nbytes()
-        token = out.logits[:, -1:].argmax(-1)
-        start = clock(device)
-        for _ in range(decode_tokens):
-            out = lm(input_ids=token, past_key_values=cache, use_cache=True, logits_to_keep=1)
-            token = out.logits[:, -1:].argmax(-1)
-        decode = clock(device) - start
-    return {"prefill_tokens_per_sec": context / prefill, "decode_tokens_per_sec": decode_tokens / decode,
-            "peak_mem_bytes": memory.peak, "cache_bytes": sum(per_layer), "cache_bytes_per_layer": per_layer}
+    cache, first = out.past_key_values, out.logits[:, -1:].argmax(-1)
+    del out
+    per_layer = cache.layer_nbytes()
+    batches = []
+    for batch in batch_sizes:
+        rows = copy.deepcopy(cache)
+        rows.reorder_cache(torch.zeros(batch, dtype=torch.long, device=device))
+        token = first.expand(batch, 1)
+        with PeakMemory(device) as memory_decode:
+            start = clock(device)
+            for _ in range(decode_tokens):
+                token = lm(input_ids=token, past_key_values=rows, use_cache=True, logits_to_keep=1).logits[:, -1:].argmax(-1)
+            decode = clock(device) - start
+        del rows
+        batches.append({"batch": batch, "tokens_per_sec": batch * decode_tokens / decode,
+                        "peak_mem_bytes": memory_decode.peak})
+    return {"prefill_tokens_per_sec": context / prefill, "prefill_peak_mem_bytes": memory.peak,
+            "decode_tokens_per_sec": batches[0]["tokens_per_sec"], "decode_peak_mem_bytes": batches[0]["peak_mem_bytes"],
+            "cache_bytes": sum(per_layer), "cache_bytes_per_layer": per_layer, "batches": batches}
 
 
-def decode_costs(lm, contexts: list[int], decode_tokens: int, seed: int, device) -> dict:
+def decode_costs(lm, contexts: list[int], decode_tokens: int, batch_sizes: list[int], seed: int, device) -> dict:
     """measure_decode at each context, after one short warm-up (16-token prefill, 2 steps: first-call
     costs out of the first row), past max_position_embeddings too (cost only: the module docstring); a
     context that runs out of memory is a row with the reason under "skipped"."""
-    measure_decode(lm, 16, 2, seed, device)
+    measure_decode(lm, 16, 2, batch_sizes[:1], seed, device)
     rows = []
     for context in contexts:
         reason = None
         try:
             with positions_up_to(lm, context + decode_tokens):
-                row = {"context": context, **measure_decode(lm, context, decode_tokens, seed, device)}
+                row = {"context": context, **measure_decode(lm, context, decode_tokens, batch_sizes, seed, device)}
         except torch.OutOfMemoryError as e:
             reason = f"out of memory: {first_line(e)}"
         if reason is not None:
@@ -117,24 +130,31 @@ def decode_costs(lm, contexts: list[int], decode_tokens: int, seed: int, device)
             print(f"decode {context}: skipped, {reason}")
             continue
         rows.append(row)
-        print(f"decode {context}: prefill {row['prefill_tokens_per_sec']:.0f} tok/s, decode "
-              f"{row['decode_tokens_per_sec']:.1f} tok/s, cache {row['cache_bytes'] / 2**20:.2f} MiB, "
-              f"peak {row['peak_mem_bytes'] / 2**20:.1f} MiB")
+        decoded = ", ".join(f"{b['tokens_per_sec']:.1f} at batch {b['batch']} (peak {b['peak_mem_bytes'] / 2**20:.1f} MiB)"
+                            for b in row["batches"])
+        print(f"decode {context}: prefill {row['prefill_tokens_per_sec']:.0f} tok/s (peak "
+              f"{row['prefill_peak_mem_bytes'] / 2**20:.1f} MiB), cache {row['cache_bytes'] / 2**20:.2f} MiB; decode tok/s "
+              f"{decoded}")
     return {"contexts": list(contexts), "rows": rows}
 
 
 def plot_decode(report: dict, title: str, path: Path) -> Path:
-    """Prefill and decode tokens/s, and cache bytes, against the context (log-log)."""
+    """Prefill tokens/s and decode tokens/s per batch size; the cache's bytes and each phase's peak memory
+    (decode at the first batch size); against the context (log-log)."""
     plt = pyplot()
     rows = [r for r in report["rows"] if "skipped" not in r]
     contexts = [r["context"] for r in rows]
     fig, (speed, memory) = plt.subplots(1, 2, figsize=(10, 4))
     speed.plot(contexts, [r["prefill_tokens_per_sec"] for r in rows], "o-", label="prefill")
-    speed.plot(contexts, [r["decode_tokens_per_sec"] for r in rows], "o-", label="decode")
+    batches = [b["batch"] for b in rows[0]["batches"]] if rows else []
+    for i, batch in enumerate(batches):
+        speed.plot(contexts, [r["batches"][i]["tokens_per_sec"] for r in rows], "o-", label=f"decode, batch {batch}")
     speed.set_ylabel("tokens/s")
     speed.legend()
     memory.plot(contexts, [r["cache_bytes"] for r in rows], "o-", label="decode cache")
-    memory.plot(contexts, [max(r["peak_mem_bytes"], 1) for r in rows], "o--", label="peak memory")
+    memory.plot(contexts, [max(r["prefill_peak_mem_bytes"], 1) for r in rows], "o--", label="prefill peak")
+    memory.plot(contexts, [max(r["decode_peak_mem_bytes"], 1) for r in rows], "o:",
+                label=f"decode peak, batch {batches[0]}" if batches else "decode peak")
     memory.set_ylabel("bytes")
     memory.legend()
     for ax in (speed, memory):
@@ -153,21 +173,24 @@ def decode_rows(report: dict) -> dict:
 @SUITES.register("decode")
 class Decode(Suite):
     Options = DecodeOptions
-    quick_options = {"contexts": [32, 64], "tokens": 2}
+    quick_options = {"contexts": [32, 64], "tokens": 2, "batch_sizes": [1, 2]}
 
     def run(self, ctx, opts: DecodeOptions) -> dict:
-        return decode_costs(ctx.lm, opts.contexts, opts.tokens, ctx.seed, ctx.device)
+        return decode_costs(ctx.lm, opts.contexts, opts.tokens, opts.batch_sizes, ctx.seed, ctx.device)
 
     def scores(self, block: dict) -> dict[str, float]:
-        """Peak memory in GB (1e9 bytes)."""
+        """Peak memory in GB (1e9 bytes); decode figures at batch 1 unsuffixed, at batch b > 1 with _batch<b>."""
         out = {}
         for row in block["rows"]:
             if "skipped" not in row:
                 t = row["context"]
                 out.update({f"decode/prefill_tokens_per_sec@{t}": row["prefill_tokens_per_sec"],
-                            f"decode/tokens_per_sec@{t}": row["decode_tokens_per_sec"],
-                            f"decode/peak_mem_gb@{t}": row["peak_mem_bytes"] / 1e9,
+                            f"decode/prefill_peak_mem_gb@{t}": row["prefill_peak_mem_bytes"] / 1e9,
                             f"decode/cache_bytes@{t}": row["cache_bytes"]})
+                for b in row["batches"]:
+                    suffix = "" if b["batch"] == 1 else f"_batch{b['batch']}"
+                    out.update({f"decode/tokens_per_sec@{t}{suffix}": b["tokens_per_sec"],
+                                f"decode/peak_mem_gb@{t}{suffix}": b["peak_mem_bytes"] / 1e9})
         return out
 
     def plot(self, block: dict, title: str, folder: Path) -> list[Path]:

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from transformers import initialization as init
 
-from model.layers import DocumentSegments, RotaryEmbedding
+from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding
 from model.mixers.softmax import SoftmaxAttention, attend
 from model.ops.lightning_indexer import index_scores, index_scores_at, index_topk
 from model.ops.sparse_attention import Selection, dense_attention_probs, selected_attention
@@ -111,10 +111,9 @@ class DSAttention(SoftmaxAttention):
         q, k, v = self.project(x, offset, positions)  # [B, T, H(kv), D]
         q_i, k_i, w = self.indexer(x.detach(), offset, positions)
         if cache is not None:
-            if "k" in cache:
-                k, v = torch.cat([cache["k"], k], 1), torch.cat([cache["v"], v], 1)
-                k_i = torch.cat([cache["index_k"], k_i], 1)
-            cache["k"], cache["v"], cache["index_k"] = k, v, k_i
+            if "k" not in cache:
+                cache.update(k=KVBuffer(dim=1), v=KVBuffer(dim=1), index_k=KVBuffer(dim=1))
+            k, v, k_i = cache["k"].append(k), cache["v"].append(v), cache["index_k"].append(k_i)
         sparse = self.stage == "sparse" and k.shape[1] > self.topk
         report = aux is not None and cache is None  # no indexer loss or metrics while decoding
         indices = None

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
-from model.layers import DocumentSegments, RotaryEmbedding, residual_scale
+from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding, residual_scale
 from model.registry import MIXERS
 
 
@@ -70,10 +70,9 @@ class SoftmaxAttention(nn.Module):
     def core(self, q, k, v, cache: dict | None, aux, segments: DocumentSegments | None = None) -> torch.Tensor:
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if cache is not None:
-            if "k" in cache:
-                k = torch.cat([cache["k"], k], dim=2)
-                v = torch.cat([cache["v"], v], dim=2)
-            cache["k"], cache["v"] = k, v
+            if "k" not in cache:
+                cache["k"], cache["v"] = KVBuffer(dim=2), KVBuffer(dim=2)
+            k, v = cache["k"].append(k), cache["v"].append(v)
         o = attend(q, k, v, segments)
         return o.transpose(1, 2)
 
