@@ -119,6 +119,16 @@ def train_here(run_dir: Path, *overrides: str, cache: Path | None = None, base: 
     return printed.getvalue()
 
 
+def perturbed(model):
+    """The model in float64, every parameter moved off its init by 0.05 N(0, 1): a gate at its init can hide a
+    missing term, which then shows."""
+    model = model.double()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
 class FinishedJob:
     """A job that ran to its end before it was handed back: poll() and wait() give its exit code."""
 

@@ -18,7 +18,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import reinitialised_over_nan
+from conftest import perturbed, reinitialised_over_nan
 from model import DecodeCache, DecoderLM, LMConfig
 from model.ffn.routers import ROUTERS
 from model.registry import FFNS
@@ -36,12 +36,7 @@ def lm(ffn: str, router: str | None, perturb: bool = True, **config) -> DecoderL
     model = DecoderLM(LMConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128, ffn=ffn,
                                ffn_options=options, **config))
-    if perturb:
-        model = model.double()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-    return model.eval()
+    return (perturbed(model) if perturb else model).eval()
 
 
 def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:

@@ -20,7 +20,7 @@ import dataclasses
 import pytest
 import torch
 
-from conftest import reinitialised_over_nan
+from conftest import perturbed, reinitialised_over_nan
 from model import DecodeCache, DecoderLM, LMConfig
 from model.layers import KVBuffer
 from model.registry import MIXERS
@@ -46,12 +46,7 @@ def lm(layers: list[str], seed: int = 0, perturb: bool = True, **config) -> Deco
     model = DecoderLM(LMConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=len(layers), num_attention_heads=4,
                                num_key_value_heads=2, intermediate_size=64, max_position_embeddings=256,
                                mixer=layers, **config))
-    if perturb:
-        model = model.double()
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-    return model.eval()
+    return (perturbed(model) if perturb else model).eval()
 
 
 def ids(batch: int, length: int, seed: int = 1) -> torch.Tensor:
