@@ -530,3 +530,30 @@ steps from an init whose experts barely write into the residual stream)."""
                                      f"out_dir={tmp_path / 'eval'}"]))
     scores = json.loads((tmp_path / "eval" / "eval.json").read_text())["scores"]
     assert abs(scores["val/batch_routing/loss"] - scores["val/loss"]) > 1e-5
+
+
+# A config.json's ffn_options["moe"] as saved before routers declared their own options (commit b8c4943:
+# `python train.py ffn=moe ffn.options.router=reinforce ffn.options.reinforce_loss_coef=0.5 ffn.options.norm_topk_prob=false`).
+FLAT_MOE_OPTIONS = {
+    "reinforce_loss_coef": 0.5, "reinforce_entropy_coef": 0.0, "reinforce_baseline": "mean", "reinforce_baseline_decay": 0.99,
+    "balanced_sinkhorn_iterations": 10, "expert_choice_capacity_factor": 1.0, "router": "reinforce", "num_experts": 8,
+    "top_k": 2, "expert_intermediate_size": None, "num_shared_experts": 0, "score_func": "softmax", "norm_topk_prob": False,
+    "route_scale": 1.0, "balance_loss_coef": 0.01, "sequence_balance_loss_coef": 0.0, "group_balance_loss_coef": 0.0,
+    "z_loss_coef": 0.001, "aux_free_bias": False, "bias_update_rate": 0.001, "capacity_factor": None, "num_expert_groups": 1,
+    "max_groups_per_token": None}
+
+
+def test_a_config_saved_with_flat_router_options_loads():
+    """The chosen router's options land in its Options under their new names; another router's, at their defaults,
+    are dropped; one that is not at its default, or a name no router declares, is a one-line error."""
+    def router(options):
+        config = LMConfig(vocab_size=32, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                          ffn="moe", ffn_options={"moe": options})
+        return DecoderLM(config).layers[0].ffn.router
+
+    options = router(FLAT_MOE_OPTIONS).options
+    assert (options.loss_coef, options.norm_topk_prob, options.baseline_decay) == (0.5, False, 0.99)
+    with pytest.raises(ValueError, match=r"unknown moe option\(s\) \['expert_choice_capacity_factor'\]"):
+        router({**FLAT_MOE_OPTIONS, "expert_choice_capacity_factor": 2.0})
+    with pytest.raises(ValueError, match=r"unknown moe option\(s\) \['nope'\]"):
+        router({**FLAT_MOE_OPTIONS, "nope": 1})

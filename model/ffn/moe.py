@@ -96,6 +96,30 @@ class MoEOptions:
         return parse_options(f"{self.router} router", options_class, self.router_options)
 
 
+def with_router_options_nested(given: dict | None) -> dict | None:
+    """MoE options as saved before routers declared their own (a config.json of then): the router options sat flat
+    beside the MoE's, prefixed by router where only one used them (reinforce_loss_coef, expert_choice_capacity_factor,
+    balanced_sinkhorn_iterations; score_func, norm_topk_prob, route_scale, max_groups_per_token bare). The chosen
+    router's move into router_options under their names; another router's were checked to hold their defaults
+    then, and are dropped if they do; anything else stays, for parse_options to name."""
+    if not given or "router_options" in given:
+        return given
+    given, nested = dict(given), {}
+    chosen = given.get("router", MoEOptions.router)
+    declared = {name: {f.name: f for f in dataclasses.fields(ROUTERS.get(name).Options)} for name in ROUTERS.names()}
+    own = {f.name for f in dataclasses.fields(MoEOptions)}
+    for key in [k for k in given if k not in own]:
+        owners = [(name, key[len(name) + 1:]) for name in declared if key.startswith(f"{name}_")] or [
+            (name, key) for name in declared]
+        owners = [(name, field) for name, field in owners if field in declared[name]]
+        mine = [field for name, field in owners if name == chosen]
+        if mine:
+            nested[mine[0]] = given.pop(key)
+        elif owners and all(given[key] == declared[name][field].default for name, field in owners):
+            given.pop(key)
+    return {**given, "router_options": nested}
+
+
 @FFNS.register("moe")
 class MoE(nn.Module):
     may_leave_parameters_unused = True  # an expert that gets no token in a micro-batch gets no gradient
@@ -103,7 +127,7 @@ class MoE(nn.Module):
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
-        opts = config.options_for_ffn("moe", MoEOptions)
+        opts = parse_options("moe", MoEOptions, with_router_options_nested(config.ffn_options.get("moe")))
         E, k, G = opts.num_experts, opts.top_k, opts.num_expert_groups
         if k > E:
             raise bad_option("moe", "top_k", k, f"1..num_experts={E}")
