@@ -46,10 +46,6 @@ def test_decoding_matches_full_forward(schedule, prefill):
     torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-4)
 
 
-def cache_bytes(layers) -> int:
-    return sum(v.numel() * v.element_size() for layer in layers for v in layer.values() if torch.is_tensor(v))
-
-
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_generate_greedy_with_constant_cache(schedule):
     model = tiny_model(SCHEDULES[schedule])
@@ -58,10 +54,10 @@ def test_generate_greedy_with_constant_cache(schedule):
     for n in (4, 12):
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                              return_dict_in_generate=True)
-        layers = out.past_key_values.layers
+        per_layer = out.past_key_values.layer_nbytes()
         # Layer 0 is mamba2 / linear in every schedule; the hybrid's layer 1 is softmax (grows).
-        linear_bytes[n] = cache_bytes(layers if schedule != "hybrid" else layers[:1])
-        softmax_bytes[n] = cache_bytes(layers[1:]) if schedule == "hybrid" else 0
+        linear_bytes[n] = sum(per_layer if schedule != "hybrid" else per_layer[:1])
+        softmax_bytes[n] = sum(per_layer[1:]) if schedule == "hybrid" else 0
     assert linear_bytes[4] == linear_bytes[12] > 0
     if schedule == "hybrid":
         assert softmax_bytes[12] > softmax_bytes[4]
