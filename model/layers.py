@@ -130,8 +130,9 @@ class DocumentSegments:
 
 class KVBuffer:
     """A decode cache's growing tensor (keys, values, index keys): appends along `dim` into storage reserved
-    BLOCK positions at a time, the filled part handed out as a view. A decoded token copies only itself;
-    the whole context is copied once per BLOCK tokens, where torch.cat would copy it every token."""
+    BLOCK positions at a time (always past the filled part), the filled part handed out as a view. A decoded
+    token copies only itself; the whole context is copied once per BLOCK tokens, where torch.cat would copy it
+    every token."""
 
     BLOCK = 256
 
@@ -143,7 +144,7 @@ class KVBuffer:
         needed = self.length + x.shape[self.dim]
         if self.storage is None or needed > self.storage.shape[self.dim]:
             shape = list(x.shape)
-            shape[self.dim] = -(-needed // self.BLOCK) * self.BLOCK
+            shape[self.dim] = (needed // self.BLOCK + 1) * self.BLOCK  # room for the next token, even right after a prefill
             storage = x.new_empty(shape)
             if self.storage is not None:
                 storage.narrow(self.dim, 0, self.length).copy_(self.filled())

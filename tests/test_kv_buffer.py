@@ -7,7 +7,8 @@ from model.layers import KVBuffer
 def test_appends_hold_what_cat_would_and_copy_the_context_once_per_block():
     """A 100-position prefill, then 600 single positions, along dim 2 of [B, H, T, D]: the filled part equals
     torch.cat of the appends after each one; the storage is reallocated only when the length passes a multiple
-    of BLOCK (256): 100 -> 256, 257 -> 512, 513 -> 768, three storages in all."""
+    of BLOCK (256): 100 -> 256, 257 -> 512, 513 -> 768, three storages in all. A prefill of a whole number of blocks
+    leaves room for the next token."""
     g = torch.Generator().manual_seed(0)
     buffer, parts, storages = KVBuffer(dim=2), [], set()
     for n in [100] + [1] * 600:
@@ -18,6 +19,9 @@ def test_appends_hold_what_cat_would_and_copy_the_context_once_per_block():
     torch.testing.assert_close(filled, torch.cat(parts, 2), rtol=0, atol=0)
     assert len(storages) == 3 and buffer.storage.shape[2] == 768 and buffer.length == 700
     assert buffer.nbytes() == 2 * 3 * 700 * 4 * 4  # the filled part's fp32 bytes, not the reserved 768
+    whole = KVBuffer(dim=2)
+    whole.append(torch.zeros(1, 1, 512, 2))
+    assert whole.storage.shape[2] == 768
 
 
 def test_reorder_moves_rows_and_appends_go_on_after_it():
