@@ -18,6 +18,13 @@ from model.layers import AuxCollector, DocumentSegments, KVBuffer, RMSNorm, at_l
 from model.mixers import MIXERS
 
 
+def held_bytes(value) -> int:
+    """Bytes a decode cache entry holds: a KVBuffer's filled part, a tensor's elements; nothing for the rest (offset)."""
+    if isinstance(value, KVBuffer):
+        return value.nbytes()
+    return value.numel() * value.element_size() if torch.is_tensor(value) else 0
+
+
 class DecodeCache:
     """Per-layer state for incremental decoding: one dict per layer, filled by its mixer.
 
@@ -44,8 +51,7 @@ class DecodeCache:
 
     def layer_nbytes(self) -> list[int]:
         """Bytes of what each layer keeps (K/V, conv tails, recurrent states)."""
-        return [sum(v.nbytes() if isinstance(v, KVBuffer) else v.numel() * v.element_size()
-                    for v in layer.values() if isinstance(v, KVBuffer) or torch.is_tensor(v)) for layer in self.layers]
+        return [sum(held_bytes(v) for v in layer.values()) for layer in self.layers]
 
     def nbytes(self) -> int:
         return sum(self.layer_nbytes())
