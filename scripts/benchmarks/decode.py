@@ -1,29 +1,15 @@
 """Decoding throughput: our softmax DecoderLM's `generate` beside transformers' LlamaForCausalLM `generate` of the
 same shape (configs/model/tiny.yaml's: 4 layers, d 256, 4 heads, SwiGLU 768; vocab 4096, untied), greedy, batch 1,
 after a prompt of 4k and 16k random tokens, the two taking turns. Decode tokens/s is timed by generate's streamer
-from the first new token to the last (the prefill left out). Ours keeps K/V in storage reserved in blocks
-(model/layers.py KVBuffer); Llama's DynamicCache concatenates per token."""
-import time
-
+(evaluation/samples.py TokenClock) from the first new token to the last (the prefill left out). Ours keeps K/V in
+storage reserved in blocks (model/layers.py KVBuffer); Llama's DynamicCache concatenates per token."""
 import torch
 from omegaconf import OmegaConf
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from evaluation.samples import TokenClock
 from model import DecoderLM, LMConfig
 from scripts.benchmarks.common import ROOT, markdown_table
-
-
-class TokenClock:
-    """A generate streamer that notes when each put arrives: the prompt's, then one per new token."""
-
-    def __init__(self):
-        self.times = []
-
-    def put(self, value):
-        self.times.append(time.perf_counter())
-
-    def end(self):
-        pass
 
 
 def decode_tokens_per_sec(model, prompt: torch.Tensor, new_tokens: int) -> float:
@@ -33,7 +19,7 @@ def decode_tokens_per_sec(model, prompt: torch.Tensor, new_tokens: int) -> float
         out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
                              min_new_tokens=new_tokens, do_sample=False, streamer=clock)
     assert out.shape[1] == prompt.shape[1] + new_tokens and len(clock.times) == new_tokens + 1
-    return (new_tokens - 1) / (clock.times[-1] - clock.times[1])
+    return clock.decode_tokens_per_sec()
 
 
 def run(quick: bool) -> str:
