@@ -29,6 +29,7 @@ import shlex
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
 
@@ -50,43 +51,53 @@ MIXERS = tuple(REFERENCE)
 LAYERS, HEADS, SEQ_LEN, BATCH, WARMUP = 2, 2, 64, 64, 50
 
 
-def ours(mixer: str, vocab: int, d: int, parametrization: str):
-    return DecoderLM(LMConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
-                              max_position_embeddings=SEQ_LEN, mixer=mixer, parametrization=parametrization))
+@dataclass(frozen=True)
+class Shape:
+    """What ours and its reference share: layers, heads, the longest sequence, the FFN width (None: LMConfig's)."""
+    layers: int = LAYERS
+    heads: int = HEADS
+    seq_len: int = SEQ_LEN
+    intermediate_size: int | None = None
 
 
-def reference(name: str, vocab: int, d: int):
+def ours(mixer: str, vocab: int, d: int, parametrization: str, shape: Shape = Shape()):
+    return DecoderLM(LMConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=shape.layers,
+                              num_attention_heads=shape.heads, max_position_embeddings=shape.seq_len,
+                              intermediate_size=shape.intermediate_size, mixer=mixer, parametrization=parametrization))
+
+
+def reference(name: str, vocab: int, d: int, shape: Shape = Shape()):
     """The reference model (transformers', or fla's for linear) of the same shape as ours (heads, head and state
-    widths, FFN width)."""
+    widths, FFN width), at its own init (and untied embeddings where its config's default is)."""
     if name == "qwen3_next_gdn":  # its GDN ops bind to fla's Triton kernels at import when fla is there: take the torch ones
         sys.modules["fla"] = None
     from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, Qwen3NextConfig,
                               Qwen3NextForCausalLM)
 
     mine = ours({"llama": "softmax", "qwen3_next_gdn": "gdn", "mamba2": "mamba2", "fla_linear_attn": "linear"}[name],
-                vocab, d, PER_MIXER)
-    common = dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=LAYERS, pad_token_id=0, bos_token_id=0,
+                vocab, d, PER_MIXER, shape)
+    common = dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=shape.layers, pad_token_id=0, bos_token_id=0,
                   eos_token_id=0, use_cache=False)
     if name == "fla_linear_attn":
-        return fla_linear_attention(common, mine.config.intermediate_size)
+        return fla_linear_attention(common, mine.config.intermediate_size, shape)
     if name == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+        return LlamaForCausalLM(LlamaConfig(**common, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
                                             intermediate_size=mine.config.intermediate_size,
-                                            max_position_embeddings=SEQ_LEN))
+                                            max_position_embeddings=shape.seq_len))
     if name == "qwen3_next_gdn":
         gdn = mine.layers[0].mixer
         return Qwen3NextForCausalLM(Qwen3NextConfig(
-            **common, layer_types=["linear_attention"] * LAYERS, num_experts=0,
-            intermediate_size=mine.config.intermediate_size, num_attention_heads=HEADS, num_key_value_heads=HEADS,
+            **common, layer_types=["linear_attention"] * shape.layers, num_experts=0,
+            intermediate_size=mine.config.intermediate_size, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
             linear_num_key_heads=gdn.num_heads, linear_key_head_dim=gdn.head_dim, linear_num_value_heads=gdn.num_v_heads,
-            linear_value_head_dim=gdn.head_v_dim, linear_conv_kernel_dim=gdn.conv_size, max_position_embeddings=SEQ_LEN))
+            linear_value_head_dim=gdn.head_v_dim, linear_conv_kernel_dim=gdn.conv_size, max_position_embeddings=shape.seq_len))
     m = mine.layers[0].mixer
     return Mamba2ForCausalLM(Mamba2Config(**common, expand=m.d_inner // d, head_dim=m.head_dim, num_heads=m.num_heads,
                                           state_size=m.state_size, n_groups=m.n_groups, conv_kernel=m.conv.kernel_size,
                                           chunk_size=m.chunk_size, tie_word_embeddings=True))
 
 
-def fla_linear_attention(common: dict, intermediate_size: int):
+def fla_linear_attention(common: dict, intermediate_size: int, shape: Shape):
     """fla's LinearAttentionForCausalLM at its defaults (a learned Hadamard feature map, no normaliser, a per-head
     output RMSNorm, no rotary, fla's init), with torch's norms and loss where its config offers fused ones, and
     its Triton calls, which raise on a CPU, replaced by the same math: fla's own reference recurrence
@@ -107,8 +118,8 @@ def fla_linear_attention(common: dict, intermediate_size: int):
     fla_layer.chunk_linear_attn = fla_layer.fused_chunk_linear_attn = fla_layer.fused_recurrent_linear_attn = linear_attn
     fla_mlp.swiglu = lambda gate, up: torch.nn.functional.silu(gate) * up
     model = LinearAttentionForCausalLM(LinearAttentionConfig(
-        **common, attn_mode="chunk", num_heads=HEADS, intermediate_size=intermediate_size, max_position_embeddings=SEQ_LEN,
-        fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False))
+        **common, attn_mode="chunk", num_heads=shape.heads, intermediate_size=intermediate_size,
+        max_position_embeddings=shape.seq_len, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False))
     for block in model.model.layers:
         fused = block.attn.norm
         block.attn.norm = torch.nn.RMSNorm(fused.hidden_size, eps=fused.eps)

@@ -171,6 +171,58 @@ def test_mqar_study_linear_beside_fla(tmp_path):
     assert row[:3] == ["linear", "32", "per_mixer"] and row[4] == "fla_linear_attn"
 
 
+def test_gdn_language_study(tmp_path, capsys, data_cache):
+    """Our gdn beside Qwen3-Next's GDN layers on the corpus, each in its own process (the reference's import blocks fla
+    there): both land in runs.jsonl with their curves, the reference's parameter count is ours untied (the same
+    shape), the table has both sides and the gap, the plot is written, a rerun trains nothing; bad input is one line."""
+    from studies import gdn_language as study
+
+    args = ["--variants", "reference_init", "--lrs", "1e-3", "--seeds", "0", "--steps", "1", "--eval-every", "1",
+            "--max-documents", "40", "--jobs", "2", "--out", str(tmp_path)]
+    assert study.main(args) == 0
+    runs = {study.side(r): r for r in map(json.loads, (tmp_path / "runs.jsonl").read_text().splitlines())}
+    assert set(runs) == {"ours, reference_init", "qwen3_next_gdn"}
+    assert all([s for s, _ in r["curve"]] == [1] and 3 < r["bpb"] < 20 for r in runs.values())
+    assert runs["ours, reference_init"]["params"] == runs["qwen3_next_gdn"]["params"]
+    rows = {r[0]: r for r in table_rows((tmp_path / "table.md").read_text())[1:]}
+    assert rows["qwen3_next_gdn"][5] == "+0.0000" and rows["ours, reference_init"][2] == "0.001 [single value]"
+    assert (tmp_path / "curves.png").stat().st_size > 1000
+    capsys.readouterr()
+    assert study.main(args) == 0
+    assert "2 runs, 2 already in" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="unknown --variants 'dt'; valid: default, untied, dt_one"):
+        study.main(["--variants", "dt"])
+
+
+def test_gdn_language_variants():
+    """Each variant of ours changes what it names, from the library's start, and nothing else: dt_one puts
+    softplus(dt_bias) at softplus(1), conv_normal the short-conv kernels at std 0.02 (from U(+-1/2)), o_unscaled
+    o_proj at std 0.02 (from 0.02 / sqrt(2 L)); untied and reference_init have their own lm_head."""
+    from studies import gdn_language as study
+
+    def build(variant):
+        torch.manual_seed(0)
+        return study.build({"impl": "ours", "variant": variant}, 512)
+
+    default = build("default")
+    mixer = default.layers[0].mixer
+    assert torch.nn.functional.softplus(mixer.dt_bias).max() <= 0.1 + 1e-6
+    assert mixer.q_conv.conv.weight.std() > 0.2
+    assert mixer.o_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
+    for variant, changed in (("dt_one", "dt_bias"), ("conv_normal", "_conv."), ("o_unscaled", "o_proj")):
+        model = build(variant)
+        differ = {n for (n, a), b in zip(model.named_parameters(), default.parameters()) if not torch.equal(a, b)}
+        assert differ and all(changed in n for n in differ), (variant, differ)
+        m = model.layers[0].mixer
+        if variant == "dt_one":
+            assert torch.allclose(m.dt_bias, torch.ones_like(m.dt_bias))
+        else:
+            w = m.q_conv.conv.weight if variant == "conv_normal" else m.o_proj.weight
+            assert w.std().item() == pytest.approx(0.02, rel=0.1)
+    for variant in ("untied", "reference_init"):
+        assert not build(variant).config.tie_word_embeddings
+
+
 def timed_once(fn) -> float:
     t0 = time.perf_counter()
     fn()

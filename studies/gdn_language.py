@@ -1,0 +1,238 @@
+"""Our GDN LM next to transformers' Qwen3-Next GDN layers on the default corpus, over lrs and seeds, and our GDN
+with one of the reference's init choices at a time, to name the difference that costs.
+
+    python studies/gdn_language.py --lrs 1e-3,2e-3,4e-3,8e-3 --seeds 0,1 --jobs 2 --out reports/gdn_language
+
+Both models are the default run's shape (model=tiny: d 256, 4 layers, 4 heads, FFN 768, every layer GDN with its
+defaults: head dim 64, value expansion 2, conv 4) and train on the same batches of the default corpus (data=stdlib,
+seq_len 256, batch 8, one sequence per row as the reference cannot mask documents) with the same AdamW (betas 0.9,
+0.95; weight decay 0.1 on matrices only, the library's rule, training/optim.py param_groups), warm-up 10 steps,
+cosine to 0.1 lr, clipping at 1; val bpb over the first 160 val sequences (the trainer's 20 batches of 8), with
+the scorer the trainer uses. One thread and one fresh process per run.
+
+Ours, by --variants (VARIANTS): `default` the library's start (parametrization tied) and each reference choice
+applied to it after init: `untied` (fla's parametrization: own lm_head), `dt_one` (softplus(dt_bias) at
+softplus(1), Qwen3-Next's dt_bias=1), `conv_normal` (short-conv kernels N(0, 0.02), as both references),
+`o_unscaled` (o_proj at N(0, 0.02), no 1/sqrt(2L)), `reference_init` (all four). Zero-centred norms make no
+difference here: AdamW does not decay norm weights under the library's rule, and its update does not see the offset.
+
+Writes to --out: runs.jsonl (one line per run with its val curve; a rerun skips the runs it holds), table.md (each
+side at its best lr, mean and min-max over seeds, an edge flag where the best is at the edge of the lrs tried) and
+curves.png (val bpb against steps at each side's best lr).
+"""
+import argparse
+import json
+import math
+import shlex
+import signal
+import sys
+import time
+from multiprocessing import get_context
+from pathlib import Path
+
+import torch
+
+from analysis.best import best_value, edge_text
+from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
+from model.config import PARAMETRIZATIONS
+from studies.mqar import Shape, ours, reference
+
+ROOT = Path(__file__).resolve().parents[1]
+D, SHAPE, BATCH, WARMUP, EVAL_SEQUENCES = 256, Shape(layers=4, heads=4, seq_len=256, intermediate_size=768), 8, 10, 160
+REFERENCE = "qwen3_next_gdn"
+
+
+def dt_one(mixer) -> None:
+    mixer.dt_bias.data.fill_(1.0)
+
+
+def conv_normal(mixer) -> None:
+    for conv in (mixer.q_conv, mixer.k_conv, mixer.v_conv):
+        conv.conv.weight.data.normal_(0.0, mixer.init_std)
+
+
+def o_unscaled(mixer) -> None:
+    mixer.o_proj.weight.data.normal_(0.0, mixer.init_std)
+
+
+# variant -> (parametrization, edits of each GDN mixer after the model's init)
+VARIANTS = {"default": ("tied", ()), "untied": ("fla", ()), "dt_one": ("tied", (dt_one,)),
+            "conv_normal": ("tied", (conv_normal,)), "o_unscaled": ("tied", (o_unscaled,)),
+            "reference_init": ("fla", (dt_one, conv_normal, o_unscaled))}
+assert all(p in PARAMETRIZATIONS for p, _ in VARIANTS.values())
+
+
+class Logits(torch.nn.Module):
+    """The reference as the scorer calls models: logits and no aux metrics."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids=None):
+        out = self.model(input_ids=input_ids)
+        out.aux_metrics = None
+        return out
+
+
+def corpus(seed: int, max_documents: int | None):
+    """data=stdlib as the default run reads it, one sequence per row, from the first max_documents files (None: all)."""
+    from omegaconf import OmegaConf
+
+    from data import build_data
+
+    cfg = OmegaConf.load(ROOT / "configs" / "data" / "stdlib.yaml")
+    cfg.document_mask, cfg.num_proc, cfg.max_documents = False, 1, max_documents
+    return build_data(cfg, SHAPE.seq_len, seed)
+
+
+def build(job: dict, vocab: int):
+    if job["impl"] == REFERENCE:
+        return Logits(reference(REFERENCE, vocab, D, SHAPE))
+    parametrization, edits = VARIANTS[job["variant"]]
+    model = ours("gdn", vocab, D, parametrization, SHAPE)
+    with torch.no_grad():
+        for block in model.layers:
+            for edit in edits:
+                edit(block.mixer)
+    return model
+
+
+def run(job: dict) -> dict:
+    from data.batches import global_batch
+    from evaluation.scoring import score_validation
+    from training.optim import param_groups
+
+    torch.set_num_threads(1)
+    data = corpus(job["seed"], job["max_documents"])
+    torch.manual_seed(job["seed"])
+    model = build(job, data.vocab_size)
+    steps, lr = job["steps"], job["lr"]
+    opt = torch.optim.AdamW(param_groups(model.named_parameters(), 0.1), lr=lr, betas=(0.9, 0.95))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / WARMUP if s < WARMUP else
+                                                 0.1 + 0.45 * (1 + math.cos(math.pi * (s - WARMUP) / max(1, steps - WARMUP))))
+    curve, start = [], time.process_time()
+    for step in range(steps):
+        ids = data.train.batch(global_batch(step, len(data.train), BATCH, job["seed"]))["input_ids"]
+        logits = model(input_ids=ids).logits[:, :-1]
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        schedule.step()
+        if (step + 1) % job["eval_every"] == 0 or step + 1 == steps:
+            val = score_validation(model, data, BATCH, EVAL_SEQUENCES, torch.device("cpu"))
+            curve.append([step + 1, val["val/bpb"]])
+    return {**job, "bpb": curve[-1][1], "curve": curve, "cpu_s": round(time.process_time() - start, 1),
+            "params": sum(p.numel() for p in model.parameters())}
+
+
+def job_key(job: dict) -> tuple:
+    return tuple(job[k] for k in ("impl", "variant", "lr", "seed", "steps", "max_documents"))
+
+
+def side(job: dict) -> str:
+    return job["impl"] if job["impl"] == REFERENCE else f"ours, {job['variant']}"
+
+
+def best_over_lr(runs: list[dict]) -> dict:
+    """The lr of the lowest mean final val bpb over the seeds every lr ran (analysis.best.best_value), with mean,
+    min-max, curves, the lrs tried and the edge flag."""
+    by_lr = {}
+    for r in runs:
+        by_lr.setdefault(r["lr"], []).append(r)
+    best = best_value({lr: [(r["seed"], r["bpb"]) for r in rs] for lr, rs in by_lr.items()}, higher_is_better=False)
+    bpbs = [r["bpb"] for r in by_lr[best.value]]
+    return {"lr": best.value, "mean": sum(bpbs) / len(bpbs), "lo": min(bpbs), "hi": max(bpbs), "seeds": len(bpbs),
+            "curves": [r["curve"] for r in by_lr[best.value]], "lrs": sorted(by_lr), "edge": best.edge}
+
+
+def summarize(runs: list[dict]) -> dict[str, dict]:
+    sides = {}
+    for r in runs:
+        sides.setdefault(side(r), []).append(r)
+    return {name: best_over_lr(rs) for name, rs in sides.items()}
+
+
+def write_table(best: dict[str, dict], steps: int, path: Path, rerun: str) -> None:
+    ref = best.get(REFERENCE)
+    lines = [f"Val bits per byte after {steps} steps, each side at its best lr; mean (min-max) over seeds.", "",
+             "| model | val bpb | best lr | lrs tried | seeds | minus the reference |", "|---|---|---|---|---|---|"]
+    for name, b in sorted(best.items(), key=lambda kv: kv[1]["mean"]):
+        gap = f"{b['mean'] - ref['mean']:+.4f}" if ref else "-"
+        lrs = ", ".join(f"{lr:g}" for lr in b["lrs"])
+        flag = f" [{b['edge']}]" if b["edge"] else ""
+        lines.append(f"| {name} | {b['mean']:.4f} ({b['lo']:.4f}-{b['hi']:.4f}) | {b['lr']:g}{flag} | {lrs} | "
+                     f"{b['seeds']} | {gap} |")
+    edges = [f"{name}: {edge_text('lr', b['lr'], b['lrs'], b['edge'])}" for name, b in best.items() if b["edge"]]
+    lines += [f"\n**Warning: {line}; extend it: {rerun} --lrs <lrs beyond>**" for line in edges]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def plot_curves(best: dict[str, dict], path: Path) -> None:
+    style = SeriesStyle()
+    fig, ax = pyplot().subplots(figsize=(7, 4.5))
+    for name, b in sorted(best.items()):
+        label = f"{name} (lr {b['lr']:g})"
+        style.add(label, "gdn")
+        at_step = zip(*[[tuple(point) for point in curve] for curve in b["curves"]])
+        mean_band(ax, [list(points) for points in at_step], label, style(label))
+    ax.set_xlabel("step")
+    ax.set_ylabel("val bits per byte")
+    ax.grid(alpha=0.3)
+    legend_outside(ax)
+    save_figure(fig, path, dpi=110)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--variants", default="default", help=f"ours, comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--lrs", default="1e-3,2e-3,4e-3,8e-3")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--steps", type=int, default=120, help="the default run's")
+    p.add_argument("--eval-every", type=int, default=40)
+    p.add_argument("--no-reference", action="store_true", help="ours only")
+    p.add_argument("--max-documents", type=int, default=None, help="the corpus's first N files (default: all)")
+    p.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
+    p.add_argument("--out", default="reports/gdn_language")
+    args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    bad = [v for v in variants if v not in VARIANTS]
+    if bad:
+        sys.exit(f"error: unknown --variants {bad[0]!r}; valid: {', '.join(VARIANTS)}")
+    lrs, seeds = [float(v) for v in args.lrs.split(",")], [int(v) for v in args.seeds.split(",")]
+    base = {"steps": args.steps, "eval_every": args.eval_every, "max_documents": args.max_documents}
+    jobs = [{"impl": "ours", "variant": v, "lr": lr, "seed": s, **base} for s in seeds for lr in lrs for v in variants]
+    if not args.no_reference:
+        jobs += [{"impl": REFERENCE, "variant": "own", "lr": lr, "seed": s, **base} for s in seeds for lr in lrs]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = out / "runs.jsonl"
+    done = {job_key(r) for r in read_runs(log)}
+    todo = [j for j in jobs if job_key(j) not in done]
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {log}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped; {log} keeps the finished runs"))
+    # a fresh process per run: the Qwen3-Next reference's import blocks fla for its process
+    with get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
+        for i, r in enumerate(pool.imap_unordered(run, todo), 1):
+            with log.open("a") as fh:
+                fh.write(json.dumps(r) + "\n")
+            print(f"[{i}/{len(todo)}] {side(r)} lr {r['lr']:g} seed {r['seed']}: val bpb {r['bpb']:.4f} "
+                  f"({r['cpu_s']:.0f} CPU s)", flush=True)
+    runs = [r for r in read_runs(log) if r["steps"] == args.steps and r["max_documents"] == args.max_documents
+            and (r["impl"] == REFERENCE or r["variant"] in variants)]
+    best = summarize(runs)
+    rerun = f"python studies/gdn_language.py --seeds {args.seeds} --steps {args.steps} --out {shlex.quote(str(out))}"
+    write_table(best, args.steps, out / "table.md", rerun)
+    plot_curves(best, out / "curves.png")
+    print((out / "table.md").read_text() + f"wrote table.md and curves.png in {out}")
+    return 0
+
+
+def read_runs(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
