@@ -3,6 +3,7 @@ throughput, MoE routing, MQAR accuracy and decode-state size), the budget it tra
 import json
 
 from analysis.runs import Run, cfg_get
+from training.budget import training_flops_per_token
 from training.metrics import logged, median_after_first
 from training.tracking import schedule_tag
 
@@ -98,8 +99,13 @@ def summarize_run(run: Run) -> dict:
     if c and run.params is None:  # rebuilt and counted as training/run.py counts
         run.params = build_model(c, meta=True).parameter_counts()
     if c and run.info.get("train_flops_per_token") is None and {"data", "trainer"} <= c.keys():  # a run from before
-        run.info["train_flops_per_token"] = 3 * build_model(c, meta=True).flops_per_token(c["trainer"]["seq_len"])
+        device = run.info.get("device", "cpu").partition(":")[0]  # every part trained, as runs then were charged
+        run.info["train_flops_per_token"] = training_flops_per_token(build_model(c, meta=True), c["trainer"]["seq_len"],
+                                                                     device, trains=lambda p: True)
     flops_per_token, tokens = run.info.get("train_flops_per_token"), last(rows, "tokens_seen")
+    train_flops = last(rows, "flops_seen")  # an objective's stages may cost apart: the loop's own count
+    if train_flops is None and tokens is not None and flops_per_token:
+        train_flops = tokens * flops_per_token
     mixer = cfg_get(c, "model.mixer") or cfg_get(c, "mixer.name") or cfg_get(c, "arch.mixer")
     ffn = cfg_get(c, "model.ffn") or cfg_get(c, "ffn.name") or cfg_get(c, "arch.ffn")
     router = cfg_get(c, "ffn.options.router")
@@ -111,7 +117,7 @@ def summarize_run(run: Run) -> dict:
         "ffn": schedule_tag(ffn) if isinstance(ffn, list) else ffn, "d_model": cfg_get(c, "model.hidden_size"),
         "layers": cfg_get(c, "model.num_hidden_layers"),
         "params_total": (run.params or {}).get("total"), "params_active": (run.params or {}).get("active"),
-        "tokens": tokens, "train_flops": tokens * flops_per_token if tokens is not None and flops_per_token else None,
+        "tokens": tokens, "train_flops": train_flops,
         "train_flops_per_token": flops_per_token, "val_loss": last(rows, "val/loss"), "val_ppl": last(rows, "val/ppl"),
         "val_bpb": last(rows, "val/bpb"), "tokens_per_sec": median_after_first(rows, "perf/tokens_per_sec"),
         "mfu": median_after_first(rows, "perf/mfu"),

@@ -42,7 +42,7 @@ def check_plan(stage: Stage) -> None:
             with torch.device("meta"):
                 model = DecoderLM(lm_config(cfg, cfg.data.vocab_size, 0))
             params = model.parameter_counts()["total"]
-            flops = model.flops_per_token(TRAIN_T)
+            flops = model.flops_per_token(TRAIN_T, "cuda")
             print(f"    {mixer}: {params / 1e6:.1f}M parameters, {flops / 1e9:.2f} GFLOP/token forward at T={TRAIN_T}")
             stage.plan[mixer] = {"parameters": params, "forward_flops_per_token": flops}
         stage.case(mixer, case)

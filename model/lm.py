@@ -196,13 +196,25 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         )
 
     # accounting ------------------------------------------------------------------------------
-    def flops_per_token(self, seq_len: int) -> float:
-        """Forward FLOPs per token of the model as built (active experts only, each mixer's own
-        cost); training is 3x this (forward + backward)."""
-        total = 2 * self.config.hidden_size * self.config.vocab_size  # lm_head
-        for block in self.layers:
-            total += block.mixer.flops_per_token(seq_len) + block.ffn.flops_per_token()
-        return float(total)
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """Forward FLOPs per token of the model as built, on the path its ops take on `device` ("cpu", "cuda";
+        active experts only). Training charges each part by whether it trains (training/budget.py)."""
+        return float(sum(self.flops_by_part(seq_len, device).values()))
+
+    def flops_by_part(self, seq_len: int, device) -> dict[str, float]:
+        """Forward FLOPs per token by the module that spends them, keyed by module name: "lm_head", each layer's
+        "layers.<i>.mixer" and "layers.<i>.ffn", and apart from its mixer's rest a mixer's child module that
+        counts its own (has `flops_per_token(seq_len, device)`: DSA's indexer). The embedding lookup costs none."""
+        parts = {"lm_head": 2 * self.config.hidden_size * self.config.vocab_size}
+        for i, block in enumerate(self.layers):
+            name, rest = f"layers.{i}.mixer", block.mixer.flops_per_token(seq_len, device)
+            for child, module in block.mixer.named_children():
+                if hasattr(module, "flops_per_token"):
+                    parts[f"{name}.{child}"] = module.flops_per_token(seq_len, device)
+                    rest -= parts[f"{name}.{child}"]
+            parts[name] = rest
+            parts[f"layers.{i}.ffn"] = block.ffn.flops_per_token()
+        return parts
 
     def leaves_parameters_unused(self) -> bool:
         """True if a training step may leave some parameter without a gradient (a block declares

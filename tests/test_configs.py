@@ -61,7 +61,7 @@ def test_every_block_pair_builds_and_trains_one_step(mixer, ffn, monkeypatch):
     assert [n for n, p in m.named_parameters() if torch.equal(p, before[n])] == []
     with torch.no_grad():
         assert m(input_ids=x, labels=x).loss < out.loss
-    assert m.flops_per_token(40) > 0
+    assert m.flops_per_token(40, "cpu") > 0
 
 
 @pytest.mark.parametrize("group", ["mixer", "ffn"])

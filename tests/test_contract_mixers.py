@@ -130,7 +130,7 @@ def test_flops_grow_with_the_context_where_the_cache_does(name):
     bookkeeping may add a few percent)."""
     model = lm([name], perturb=False)
     mixer = model.layers[0].mixer
-    short, long = mixer.flops_per_token(256), mixer.flops_per_token(1024)
+    short, long = mixer.flops_per_token(256, "cpu"), mixer.flops_per_token(1024, "cpu")
     assert short > 0
     grows = cache_bytes(model, 96) > cache_bytes(model, 32)
     assert (long > 1.1 * short) == grows, f"{name}: flops {short:g} -> {long:g} at 4x the context, cache grows: {grows}"

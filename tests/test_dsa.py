@@ -448,11 +448,11 @@ def test_flops_per_token():
         index = 2 * d * (H_I * d_I + d_I + H_I) + 2 * H_I * (d_I + 1) * (L + 1) / 2
         keys = sum(min(8, t) for t in range(1, L + 1)) / L  # sparse: min(topk, t) keys at position t
         dense_core = 2 * 2 * H * D * (L + 1) / 2
-        expected = soft.flops_per_token(L) - dense_core + index + 2 * 2 * H * D * keys
-        assert dsa.flops_per_token(L) == pytest.approx(expected)
+        expected = soft.flops_per_token(L, "cpu") - dense_core + index + 2 * 2 * H * D * keys
+        assert dsa.flops_per_token(L, "cpu") == pytest.approx(expected)
     warm = DSAttention(tiny_config(topk=8, stage="warmup"))
     index = 2 * d * (H_I * d_I + d_I + H_I) + 2 * H_I * (d_I + 1) * 50.5
-    assert warm.flops_per_token(100) == pytest.approx(soft.flops_per_token(100) + index)
+    assert warm.flops_per_token(100, "cpu") == pytest.approx(soft.flops_per_token(100, "cpu") + index)
 
 
 @pytest.mark.parametrize("options,match", [({"stage": "dense"}, "stage 'dense'"), ({"topk": 0}, "topk=0"),

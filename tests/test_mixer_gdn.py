@@ -112,7 +112,7 @@ def test_gdn_init_options_and_param_names():
 def test_flops_are_linear_in_length():
     for name in ("gdn", "derived_gdn"):
         mixer = tiny_model(name).layers[0].mixer
-        assert mixer.flops_per_token(1024) == mixer.flops_per_token(8192) > 0
+        assert mixer.flops_per_token(1024, "cpu") == mixer.flops_per_token(8192, "cpu") > 0
 
 
 def test_softmax_checkpoint_loads_into_derived_gdn(tmp_path):

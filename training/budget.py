@@ -2,14 +2,18 @@
 architectures whose FLOPs per token differ compare at equal compute (or equal tokens) rather than at
 equal steps.
 
-    steps = round(flops_budget / (train FLOPs per token x tokens per step))    train FLOPs = 3 x forward
+    steps = the step count whose training FLOPs come closest to flops_budget          (StepCosts.steps_for)
     steps = round(tokens_budget / tokens per step)                           tokens per step = batch_size x seq_len
 
-A budget replaces trainer.max_steps: a new run given a budget starts with max_steps=null (giving both
-is an error), and training/run.py fills it in from the model as built (its `flops_per_token`, MoE
-counting active experts only) before anything is written; the saved config then holds both, so a
-resumed run keeps the steps it started with."""
+A step's training FLOPs per token are the objective's (training/objectives/ flops_schedule): each part of the
+model (DecoderLM.flops_by_part) on the path its ops take on the run's device, 3x its forward where any of its
+own parameters trains and 1x where none does (part_costs), plus what the objective runs beside the model (a
+teacher's forward). A budget replaces trainer.max_steps: a new run given a budget starts with max_steps=null
+(giving both is an error), and training/run.py fills it in from the model as built on the device it runs on
+before anything is written; the saved config then holds both, so a resumed run keeps the steps it started with."""
 from omegaconf import open_dict
+
+TRAINED, FROZEN = 3, 1  # forward FLOPs charged per forward FLOP: forward + backward (inputs, weights); forward only
 
 BUDGETS = ("flops_budget", "tokens_budget")
 
@@ -33,28 +37,74 @@ def budget_replaces_steps(cfg, overrides: list[str]) -> None:
         cfg.trainer.max_steps = None
 
 
-def budget_steps(tc, train_flops_per_token: float) -> int:
-    """The steps a budget buys: round(budget / cost of one step), at least one step's worth."""
+def part_costs(lm, seq_len: int, device, trains=lambda p: p.requires_grad) -> dict[str, float]:
+    """Training FLOPs per token of each part of `lm` (DecoderLM.flops_by_part on `device`): TRAINED x its forward if
+    `trains` picks any of its own parameters (those of its module less its own parts'), else FROZEN x. A frozen
+    part's backward for its input, where gradients pass through it to a part before it, is not charged."""
+    parts = lm.flops_by_part(seq_len, device)
+    costs = {}
+    for name, flops in parts.items():
+        inner = [p for sub in parts if sub.startswith(name + ".") for p in lm.get_submodule(sub).parameters()]
+        own = [p for p in lm.get_submodule(name).parameters() if not any(p is q for q in inner)]
+        costs[name] = flops * (TRAINED if any(trains(p) for p in own) else FROZEN)
+    return costs
+
+
+def training_flops_per_token(lm, seq_len: int, device, trains=lambda p: p.requires_grad) -> float:
+    """Training FLOPs per token of a step of `lm` that trains the parameters `trains` picks (part_costs summed)."""
+    return sum(part_costs(lm, seq_len, device, trains).values())
+
+
+class StepCosts:
+    """Training FLOPs per token by step, constant between an objective's stage starts: `schedule` is
+    [(first step, training FLOPs per token of each step from there)] in step order, from step 0."""
+
+    def __init__(self, schedule: list[tuple[int, float]], tokens_per_step: int):
+        if not schedule or schedule[0][0] != 0:
+            raise ValueError(f"a cost schedule starts at step 0, not {schedule[:1]}")
+        self.schedule, self.tokens_per_step = schedule, tokens_per_step
+
+    def per_token(self, step: int) -> float:
+        """Training FLOPs per token of the step that follows `step` steps done."""
+        return next(cost for start, cost in reversed(self.schedule) if start <= step)
+
+    def flops_through(self, steps: int) -> float:
+        """Training FLOPs of the first `steps` steps."""
+        ends = [start for start, _ in self.schedule[1:]] + [max(steps, self.schedule[-1][0])]
+        return self.tokens_per_step * sum(cost * (min(end, steps) - start) for (start, cost), end
+                                          in zip(self.schedule, ends) if start < steps)
+
+    def steps_for(self, flops: float) -> int:
+        """The step count whose training FLOPs come closest to `flops` (round(flops / per step) at one cost)."""
+        for (start, cost), (end, _) in zip(self.schedule, self.schedule[1:] + [(None, None)]):
+            if end is None or self.flops_through(end) >= flops:
+                return start + round((flops - self.flops_through(start)) / (self.tokens_per_step * cost))
+
+
+def budget_steps(tc, costs: StepCosts) -> int:
+    """The steps a budget buys, at least one step's worth."""
     key = given_budget(tc)
-    tokens_per_step = tc.batch_size * tc.seq_len
-    per_step = tokens_per_step * (train_flops_per_token if key == "flops_budget" else 1)
-    steps = round(tc[key] / per_step)
+    if key == "flops_budget":
+        steps, per_step = costs.steps_for(tc[key]), costs.flops_through(1)
+    else:
+        per_step = tc.batch_size * tc.seq_len
+        steps = round(tc[key] / per_step)
     if steps < 1:
         raise ValueError(f"trainer.{key}={tc[key]:g} is under half a step ({per_step:.3g} "
                          f"{'FLOPs' if key == 'flops_budget' else 'tokens'} per step); valid: >= {per_step / 2:.3g}")
     return steps
 
 
-def set_steps_from_budget(cfg, train_flops_per_token: float) -> str | None:
+def set_steps_from_budget(cfg, costs: StepCosts) -> str | None:
     """Fill in trainer.max_steps from the budget if it is null; returns a line saying what was set."""
     tc = cfg.trainer
     if tc.max_steps is not None:
         return None
-    steps = budget_steps(tc, train_flops_per_token)
+    steps = budget_steps(tc, costs)
     with open_dict(cfg):
         tc.max_steps = steps
     tokens = steps * tc.batch_size * tc.seq_len
     key = given_budget(tc)
+    flops = costs.flops_through(steps)
     return (f"trainer.{key}={tc[key]:.4g}: {steps} steps x {tc.batch_size * tc.seq_len:,} tokens "
-            f"x {train_flops_per_token:.4g} training FLOPs/token = {tokens * train_flops_per_token:.4g} FLOPs, "
-            f"{tokens:,} tokens")
+            f"x {flops / tokens:.4g} training FLOPs/token = {flops:.4g} FLOPs, {tokens:,} tokens")

@@ -35,15 +35,22 @@ def meta_model(cfg, intermediate_size: int | None = None):
 
 def check_job(cfg, overrides: list[str]):
     """train.py's checks of a new run with these overrides, on its composed config: the values, the
-    block options, and with a budget the steps it buys (from the meta model: the lm head's FLOPs use
-    data.vocab_size, so the run's own count may differ by a step). Returns the model."""
-    from training.budget import budget_replaces_steps, set_steps_from_budget
+    block options, and with a budget the steps it buys on this machine's device, where the jobs run (from the
+    meta model with trainer.trainable applied: the lm head's FLOPs use data.vocab_size, and an objective's
+    stages (a linearization teacher's forward) are not counted, so the run's own count may differ). Returns
+    the model."""
+    from training.budget import StepCosts, budget_replaces_steps, set_steps_from_budget, training_flops_per_token
+    from training.objectives import set_trainable
+    from training.run import device_type
     from training.validation import check_steps, check_train_config
 
     budget_replaces_steps(cfg, overrides)
     check_train_config(cfg)
     lm = meta_model(cfg)
-    if set_steps_from_budget(cfg, 3 * lm.flops_per_token(cfg.trainer.seq_len)):
+    set_trainable(lm, cfg.trainer.trainable)
+    tc = cfg.trainer
+    per_token = training_flops_per_token(lm, tc.seq_len, device_type())
+    if set_steps_from_budget(cfg, StepCosts([(0, per_token)], tc.batch_size * tc.seq_len)):
         check_steps(cfg)
     return lm
 

@@ -62,7 +62,7 @@ def train(cfg: DictConfig) -> float:
                           + f": val loss {log['val/loss']:.4f}" + (f", bpb {log['val/bpb']:.4f}" if "val/bpb" in log else ""))
         if log:
             tokens = step * run.tokens_per_step  # and training FLOPs so far, the x-axis of an equal-compute comparison
-            metrics.log({**log, "tokens_seen": tokens, "flops_seen": tokens * run.flops_per_token}, step)
+            metrics.log({**log, "tokens_seen": tokens, "flops_seen": run.costs.flops_through(step)}, step)
         stopping = a.reduce(torch.tensor(float(stop.signal is not None), device=a.device), reduction="sum").item() > 0
         if (step % tc.ckpt_every == 0 and not last) or stopping:
             save(run)
@@ -152,7 +152,7 @@ def window_log(run: Run, meter, grad_norm: float, contention, bar) -> dict:
     from training.perf import peak_memory_gb, recheck_peak
 
     a = run.accelerator
-    log = meter.row(run.tokens_per_step, run.flops_per_token)
+    log = meter.row(run.tokens_per_step, run.costs.per_token(run.step - 1))  # a window holds one phase
     achieved = log["perf/tflops"] * 1e12 / a.num_processes  # per device
     if (peak := recheck_peak(run.peak, achieved)) is not run.peak:
         run.peak = peak

@@ -30,7 +30,7 @@ class Run:
     optimizers: list
     scheduler: object
     micro: int             # sequences per process per micro-step
-    flops_per_token: float  # training (forward + backward)
+    costs: object          # training.budget.StepCosts: training FLOPs per token of each step (the objective's)
     peak: object           # training.perf.Peak of one device (MFU = achieved per device / peak.flops)
     step: int
     t_origin: float        # time/elapsed counts from here (moved back on resume)
@@ -40,6 +40,11 @@ class Run:
     @property
     def tokens_per_step(self) -> int:
         return self.cfg.trainer.batch_size * self.cfg.trainer.seq_len
+
+
+def device_type() -> str:
+    """The device a run trains on: "cuda" where one is available, else "cpu" (FLOP counts follow its ops' path)."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def setup(cfg: DictConfig) -> Run:
@@ -53,13 +58,13 @@ def setup(cfg: DictConfig) -> Run:
     from training.objectives import OBJECTIVES
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
     from training.parallel import apply_expert_parallel
-    from training.budget import set_steps_from_budget
+    from training.budget import StepCosts, set_steps_from_budget
     from training.perf import device_peak
     from training.validation import check_steps
 
     t_start = time.time()
     tc = cfg.trainer
-    use_cuda = torch.cuda.is_available()
+    use_cuda = device_type() == "cuda"
     state = PartialState(cpu=not use_cuda)
     world = state.num_processes
     micro = tc.batch_size // (world * tc.grad_accum)
@@ -80,8 +85,8 @@ def setup(cfg: DictConfig) -> Run:
     lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
     objective = OBJECTIVES.get(cfg.objective)(cfg, lm, state)  # what the run starts from, trains and minimises
     counts = lm.parameter_counts()  # of the whole model, before expert parallelism keeps a rank's share
-    flops_per_token = 3 * lm.flops_per_token(tc.seq_len)  # training: forward + backward
-    if budget_line := set_steps_from_budget(cfg, flops_per_token):
+    costs = StepCosts(objective.flops_schedule(tc.seq_len, device_type()), tc.batch_size * tc.seq_len)
+    if budget_line := set_steps_from_budget(cfg, costs):
         check_steps(cfg)
     if tc.expert_parallel > 1 and state.distributed_type == DistributedType.FSDP:
         raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
@@ -103,7 +108,7 @@ def setup(cfg: DictConfig) -> Run:
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model, objective=objective,
               optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
               scheduler=scheduler, micro=micro,
-              flops_per_token=flops_per_token,
+              costs=costs,
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
               step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh)
     resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
@@ -130,8 +135,9 @@ def setup(cfg: DictConfig) -> Run:
         (run_dir / "run_info.json").write_text(json.dumps({
             "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
             "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
-            "train_flops_per_token": flops_per_token, "max_steps": tc.max_steps,
-            "train_flops": tc.max_steps * run.tokens_per_step * flops_per_token, "processes": world, "expert_parallel": tc.expert_parallel,
+            "train_flops_per_token": costs.flops_through(tc.max_steps) / (tc.max_steps * run.tokens_per_step),  # mean
+            "max_steps": tc.max_steps, "train_flops": costs.flops_through(tc.max_steps), "processes": world,
+            "expert_parallel": tc.expert_parallel,
             "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
             "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
             "data": cfg.data.name, "data_info": data.info, "group": group}, indent=1))

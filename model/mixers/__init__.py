@@ -11,8 +11,8 @@ softmax/DSA; conv + recurrent state for the linear mixers). `aux` receives optio
 token must see only its own document segment.
 Options: a mixer that has any declares them as a dataclass in its file (`Options`, fields from
 model/options.py `option`) and reads them with `config.options_for_mixer(name, Options)`, which checks
-them in one place (model/options.py parse_options). Each mixer defines `flops_per_token(seq_len)` (forward, multiply-add = 2 FLOPs), which
-DecoderLM.flops_per_token calls for every layer (MFU). The whole contract: docs/extending.md.
+them in one place (model/options.py parse_options). Each mixer defines `flops_per_token(seq_len, device)` (forward, multiply-add = 2 FLOPs, on the path
+its ops take on that device), which DecoderLM.flops_per_token calls for every layer (budget, MFU). The whole contract: docs/extending.md.
 """
 import importlib
 import pkgutil

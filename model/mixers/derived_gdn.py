@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from model.mixers.softmax import SoftmaxAttention
-from model.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_flops, derived_gated_delta_rule
+from model.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_flops, chunk_size_on, derived_gated_delta_rule
 from model.ops.kernels import repeat_heads
 from model.options import option
 from model.registry import MIXERS
@@ -53,8 +53,9 @@ class DerivedGDN(SoftmaxAttention):
             cache.update({key: val.detach() if torch.is_tensor(val) else val for key, val in state.items()})
         return o
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Projections plus the chunked gated-delta core per head (matmul FLOPs; the O(d) running
-        means are not counted)."""
-        core = self.num_heads * chunk_gated_delta_flops(self.head_dim, self.head_dim, min(CHUNK_SIZE, seq_len))
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """Projections plus the chunked gated-delta core per head at the chunk it runs at on `device` (matmul
+        FLOPs; the O(d) running means are not counted)."""
+        chunk = chunk_size_on(device, CHUNK_SIZE, seq_len)
+        core = self.num_heads * chunk_gated_delta_flops(self.head_dim, self.head_dim, seq_len, chunk)
         return self.projection_flops() + core

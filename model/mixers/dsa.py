@@ -65,6 +65,13 @@ class LightningIndexer(nn.Module):
         self.w_proj = nn.Linear(hidden_size, heads, bias=False)
         self.rotary = RotaryEmbedding(rope_dim, rope_theta)  # on the first rope_dim channels only
 
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """Its projections, and the scores over the causal context ((L + 1) / 2 keys on average, H_I (d_I + 1)
+        multiply-adds per key: the dot products and the head-weighted sum)."""
+        d = self.q_proj.in_features
+        proj = 2 * d * (self.heads * self.head_dim + self.head_dim + self.heads)
+        return proj + 2 * self.heads * (self.head_dim + 1) * (seq_len + 1) / 2
+
     def forward(self, x: torch.Tensor, offset: int, position_ids: torch.Tensor | None = None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
@@ -140,18 +147,13 @@ class DSAttention(SoftmaxAttention):
         p = dense_attention_probs(q, k, segment_ids=segment_ids).gather(-1, indices.clamp(min=0))
         aux.add_metric("dsa/topk_attention_recall", (p * (indices >= 0)).sum(-1).mean())
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Projections (main + indexer), the indexer over the causal context ((L + 1) / 2 keys on average,
-        H_I (d_I + 1) multiply-adds per key), and attention over min(topk, t) keys at position t (all t
-        keys in warm-up)."""
-        d = self.q_proj.in_features
-        ix = self.indexer
-        proj = self.projection_flops() + 2 * d * (ix.heads * ix.head_dim + ix.head_dim + ix.heads)
-        context = (seq_len + 1) / 2
-        index = 2 * ix.heads * (ix.head_dim + 1) * context
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """Projections, attention over min(topk, t) keys at position t (all t keys in warm-up), and the indexer
+        (LightningIndexer.flops_per_token, its own part: warm-up trains it alone)."""
         k = self.topk if self.stage == "sparse" else seq_len
         if seq_len <= k:
-            keys = context
+            keys = (seq_len + 1) / 2
         else:  # sum_{t=1..L} min(k, t) / L
             keys = (k * (k + 1) / 2 + (seq_len - k) * k) / seq_len
-        return proj + index + 2 * 2 * self.num_heads * self.head_dim * keys
+        attention = self.projection_flops() + 2 * 2 * self.num_heads * self.head_dim * keys
+        return attention + self.indexer.flops_per_token(seq_len, device)

@@ -29,7 +29,7 @@ from transformers import initialization as init
 
 from model.layers import (GatedRMSNorm, ShortConv, at_least_fp32, init_A_log_, init_dt_bias_, init_fan_in_uniform_,
                           residual_scale)
-from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule,
+from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule, chunk_size_on,
                                    fused_recurrent_gated_delta_rule)
 from model.ops.kernels import repeat_heads
 from model.options import bad_option, option
@@ -117,11 +117,13 @@ class GatedDeltaNet(nn.Module):
         o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, Hv, V))
         return self.o_proj(o.reshape(B, T, Hv * V))
 
-    def flops_per_token(self, seq_len: int) -> float:
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """Projections, short convs, and the chunked gated delta rule per value head at the chunk it runs at
+        on `device` (fla's on CUDA)."""
         d = self.q_proj.in_features
         key_dim, value_dim = self.num_heads * self.head_dim, self.num_v_heads * self.head_v_dim
         proj = 2 * d * (2 * key_dim + 3 * value_dim + 2 * self.num_v_heads)  # q, k, v, g, o, a, b
         conv = 2 * self.conv_size * (2 * key_dim + value_dim)
-        core = self.num_v_heads * chunk_gated_delta_flops(self.head_dim, self.head_v_dim,
-                                                          min(self.chunk_size, seq_len))
+        core = self.num_v_heads * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, seq_len,
+                                                          chunk_size_on(device, self.chunk_size, seq_len))
         return proj + conv + core

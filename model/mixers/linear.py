@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.kernels import repeat_heads
-from model.ops.linear_attention import chunk_flops_per_token, chunk_linear_attn
+from model.ops.linear_attention import chunk_linear_attn, chunk_linear_attn_flops
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -64,8 +64,7 @@ class LinearAttention(SoftmaxAttention):
                 cache["state"] = state.detach()
         return o
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Projections plus the chunked linear-attention core (k, v repeated to all heads)."""
-        core = chunk_flops_per_token(seq_len, self.chunk_size, self.num_heads, self.num_heads,
-                                     self.head_dim, self.head_dim)
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """Projections plus the chunked linear-attention core on `device` (k, v repeated to all heads)."""
+        core = chunk_linear_attn_flops(seq_len, self.num_heads, self.head_dim, self.head_dim, self.chunk_size, device)
         return self.projection_flops() + core

@@ -31,8 +31,7 @@ import torch.nn as nn
 from transformers import initialization as init
 
 from model.layers import GatedRMSNorm, ShortConv, init_dt_bias_, init_fan_in_uniform_, residual_scale
-from model.ops.linear_attention import chunk_flops_per_token
-from model.ops.ssd import mamba_chunk_scan, mamba_state_step
+from model.ops.ssd import mamba_chunk_scan, mamba_chunk_scan_flops, mamba_state_step
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -112,10 +111,10 @@ class Mamba2(nn.Module):
         y = self.norm(y.reshape(Bsz, T, G, -1), z.reshape(Bsz, T, G, -1))
         return self.out_proj(y.reshape(Bsz, T, self.d_inner))
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """in_proj, conv, SSD (chunked: C B^T per group, the rest per head; D skip) and out_proj."""
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """in_proj, conv, the SSD scan on `device` (model/ops/ssd.py mamba_chunk_scan_flops), D skip and out_proj."""
         proj = 2 * self.in_proj.in_features * (self.in_proj.out_features + self.d_inner)
         conv = 2 * self.conv.kernel_size * self.conv.conv.in_channels
-        ssd = chunk_flops_per_token(seq_len, self.chunk_size, self.n_groups, self.num_heads,
-                                    self.state_size, self.head_dim)
+        ssd = mamba_chunk_scan_flops(seq_len, self.chunk_size, self.n_groups, self.num_heads, self.head_dim,
+                                     self.state_size, device)
         return proj + conv + ssd + 2 * self.d_inner

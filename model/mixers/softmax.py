@@ -81,8 +81,9 @@ class SoftmaxAttention(nn.Module):
         mixers that reuse these projections)."""
         return 2 * self.q_proj.in_features * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Projections plus q.k and a.v over the causal context, (seq_len + 1) / 2 keys on average."""
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """Projections plus q.k and a.v over the causal context, (seq_len + 1) / 2 keys on average (as a causal
+        kernel skips the masked half; the same on every device)."""
         return self.projection_flops() + 2 * 2 * self.num_heads * self.head_dim * (seq_len + 1) / 2
 
 

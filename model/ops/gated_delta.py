@@ -12,7 +12,7 @@ restarting from zero at each; final states are then [N, H, K, V], one per sequen
 """
 import torch
 
-from model.ops.kernels import accumulation_dtype, optional_kernel, own_precision
+from model.ops.kernels import accumulation_dtype, kernel_runs, optional_kernel, own_precision
 from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, sequence_cumsum
 
 
@@ -271,13 +271,25 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     return o, {"A": A, "k_sum": k_sum[:, -1], "v_sum": v_sum[:, -1], "t": t0 + T}
 
 
-def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, chunk_size: int = CHUNK_SIZE) -> float:
-    """Forward FLOPs per token per head of chunk_gated_delta_rule as implemented (2 per multiply-add):
-    k k^T and q k^T (C K each), the unit-triangular inverse (C^2 / 6), [u | w] = inv [beta v | beta k e^G]
-    (C (K + V)), w S and kd^T vnew in the state recursion (2 K V), q S (K V) and the intra-chunk
-    product (C V)."""
+FLA_CHUNK_SIZE = 64  # the chunk of fla's chunk_gated_delta_rule (its default; our kernel call passes none)
+
+
+def chunk_size_on(device, chunk_size: int, seq_len: int) -> int:
+    """The chunk chunk_gated_delta_rule runs at on `device`: fla's where its kernel runs (CUDA), else
+    min(chunk_size, seq_len) as the PyTorch form takes it."""
+    return FLA_CHUNK_SIZE if kernel_runs("fla.ops.gated_delta_rule", device) else min(chunk_size, seq_len)
+
+
+def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chunk_size: int) -> float:
+    """Forward FLOPs per token per head of the chunked (WY) delta rule at chunk C = chunk_size (chunk_size_on),
+    the sequence padded to whole chunks, 2 per multiply-add. Per chunk: k k^T and q k^T (C^2 K each); the
+    unit-lower-triangular solve against the identity (C (C - 1) / 2 multiply-adds per column, C columns);
+    [u | w] = inv [beta v | beta k e^G] (C^2 (V + K)); w S and kd^T vnew in the state recursion and q S (C K V
+    each); the intra-chunk (Gamma o q k^T) vnew (C^2 V)."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
-    return 2.0 * (2 * C * K + C * C / 6 + C * (K + V) + 3 * K * V + C * V)
+    chunks = -(-seq_len // C)
+    per_chunk = 2 * (2 * C * C * K + C * C * (C - 1) / 2 + C * C * (V + K) + 3 * C * K * V + C * C * V)
+    return chunks * per_chunk / seq_len
 
 
 # ---- naive references: the recurrences token by token, straight from the formulas (the tests' oracles, float64)

@@ -30,14 +30,18 @@ def _imported(module: str):
         return None
 
 
+def kernel_runs(module: str, device) -> bool:
+    """Whether ops on `device` (a torch.device or its type, "cpu", "cuda") run `module`'s kernels: the device is
+    a KERNEL_DEVICES one (CUDA) and the module imports (fla needs Triton). optional_kernel dispatches on it and
+    the ops' FLOP counts follow it, so a count is of the path that runs."""
+    return torch.device(device).type in KERNEL_DEVICES and _imported(module) is not None
+
+
 def optional_kernel(module: str, name: str, x: torch.Tensor):
-    """`module.name` (e.g. "fla.ops.linear_attn", "chunk_linear_attn") when x is on a KERNEL_DEVICES device
-    (CUDA) and the module imports (fla needs Triton); else None, and the caller runs its PyTorch form. The
-    attribute is read on every call, so a wrapper set on the module (scripts/gpu_check.py counts kernel
-    calls so) runs."""
-    if x.device.type not in KERNEL_DEVICES or (found := _imported(module)) is None:
-        return None
-    return getattr(found, name)
+    """`module.name` (e.g. "fla.ops.linear_attn", "chunk_linear_attn") when kernel_runs(module, x.device); else
+    None, and the caller runs its PyTorch form. The attribute is read on every call, so a wrapper set on the
+    module (scripts/gpu_check.py counts kernel calls so) runs."""
+    return getattr(_imported(module), name) if kernel_runs(module, x.device) else None
 
 
 def own_precision(fn):

@@ -12,7 +12,7 @@ starting from a zero state; final states are then one per sequence.
 import torch
 import torch.nn.functional as F
 
-from model.ops.kernels import accumulation_dtype, optional_kernel, own_precision
+from model.ops.kernels import accumulation_dtype, kernel_runs, optional_kernel, own_precision
 from model.ops.varlen import ChunkLayout, check_packed, sequence_cumsum
 
 
@@ -97,14 +97,30 @@ def chunk_scalar_decay(q, k, v, g, scale: float, chunk_size: int, initial_state=
     return o, final.reshape(Bsz, H, K, V)
 
 
-def chunk_flops_per_token(seq_len: int, chunk_size: int, groups: int, heads: int, k_dim: int,
-                          v_dim: int) -> float:
-    """Forward FLOPs per token of chunk_scalar_decay as computed (full C x C blocks): q k^T per group,
-    scores @ v, the chunk-state k^T v and q S_start per head, and the (n+1)^2 chunk-decay matmul."""
-    C = min(chunk_size, seq_len)
+FLA_CHUNK_SIZE = 64  # the chunk of fla's chunk_simple_gla, which chunk_linear_attn and the SSD's kernel call run
+
+
+def chunk_flops_per_token(seq_len: int, chunk_size: int, groups: int, heads: int, k_dim: int, v_dim: int,
+                          sequential_states: bool = False) -> float:
+    """Forward FLOPs per token of the chunked scalar-decay form at chunk C = chunk_size, the sequence padded to
+    n = ceil(seq_len / C) whole chunks (2 per multiply-add). Per chunk: q k^T per group (C^2 K), and per head
+    scores @ v (C^2 V), the chunk's own end state k^T v and q S_start (C K V each). Then the chunk-start states:
+    all at once through the (n+1) x (n+1) chunk-decay matmul ((n+1)^2 K V per head: chunk_scalar_decay), or with
+    sequential_states one chunk after another, S <- exp(g) S + dS (2 K V FLOPs per head per chunk: fla's kernels)."""
+    C = chunk_size
     n = -(-seq_len // C)
-    per_head = 2 * C * v_dim + 2 * 2 * k_dim * v_dim + 2 * (n + 1) ** 2 * k_dim * v_dim / seq_len
-    return 2 * C * k_dim * groups + per_head * heads
+    per_chunk = 2 * C * C * k_dim * groups + heads * 2 * (C * C * v_dim + 2 * C * k_dim * v_dim)
+    passing = heads * 2 * k_dim * v_dim * (n if sequential_states else (n + 1) ** 2)
+    return (n * per_chunk + passing) / seq_len
+
+
+def chunk_linear_attn_flops(seq_len: int, heads: int, k_dim: int, v_dim: int, chunk_size: int, device) -> float:
+    """Forward FLOPs per token of chunk_linear_attn on `device` (k, v repeated to the H heads): fla's kernel at
+    its chunk with sequential states where it runs (CUDA), else chunk_scalar_decay at min(chunk_size, seq_len).
+    The normaliser (O(K) per token, not a matmul) is not counted."""
+    if kernel_runs("fla.ops.linear_attn", device):
+        return chunk_flops_per_token(seq_len, FLA_CHUNK_SIZE, heads, heads, k_dim, v_dim, sequential_states=True)
+    return chunk_flops_per_token(seq_len, min(chunk_size, seq_len), heads, heads, k_dim, v_dim)
 
 
 @own_precision

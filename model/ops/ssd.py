@@ -16,8 +16,8 @@ several sequences, each starting from a zero state.
 import torch
 import torch.nn.functional as F
 
-from model.ops.kernels import accumulation_dtype, optional_kernel, own_precision, repeat_heads
-from model.ops.linear_attention import chunk_scalar_decay
+from model.ops.kernels import accumulation_dtype, kernel_runs, optional_kernel, own_precision, repeat_heads
+from model.ops.linear_attention import FLA_CHUNK_SIZE, chunk_flops_per_token, chunk_scalar_decay
 
 
 def _discretise(x, dt, A, dt_bias, dt_softplus):
@@ -63,6 +63,16 @@ def mamba_chunk_scan(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=No
         state = state.transpose(-1, -2)
     y = _skip_and_gate(y, xc, D, z).to(x.dtype)
     return (y, state) if return_final_states else y
+
+
+def mamba_chunk_scan_flops(seq_len: int, chunk_size: int, groups: int, heads: int, head_dim: int, state_size: int,
+                           device) -> float:
+    """Forward FLOPs per token of mamba_chunk_scan's scan on `device` (the D skip and gate not included): fla's
+    chunk_simple_gla where it runs (CUDA), at its chunk, with sequential states and B, C repeated to the H heads
+    (so C B^T per head); else chunk_scalar_decay at min(chunk_size, seq_len), C B^T per group."""
+    if kernel_runs("fla.ops.simple_gla", device):
+        return chunk_flops_per_token(seq_len, FLA_CHUNK_SIZE, heads, heads, state_size, head_dim, sequential_states=True)
+    return chunk_flops_per_token(seq_len, min(chunk_size, seq_len), groups, heads, state_size, head_dim)
 
 
 @own_precision

@@ -69,7 +69,7 @@ def op_report(shapes: list[tuple], rounds: int, iters: int, peak: float) -> str:
         steps = {name: (lambda fn=fn: fn().sum().backward()) for name, fn in fns.items()}
         timed = interleaved(steps, rounds, iters)
         cpu = cpu_interleaved(steps, rounds)
-        flops = 3 * H * chunk_gated_delta_flops(K, K, OUR_CHUNK) * Bsz * T
+        flops = 3 * H * chunk_gated_delta_flops(K, K, T, OUR_CHUNK) * Bsz * T
         for name, t in timed.items():
             rows.append([f"B {Bsz} x T {T}, H {H}, K=V {K}", name, f"{t * 1e3:.1f}", f"{flops / t / 1e9:.1f}",
                          f"{flops / t / 1e9 / peak:.1%}", f"{timed[peer] / t:.2f}x",
@@ -124,7 +124,7 @@ def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
         hf_qwen3_next.torch_chunk_gated_delta_rule = HF_CHUNK
     if calls["n"] == 0:
         raise RuntimeError("Qwen3-Next did not run transformers' torch_chunk_gated_delta_rule")
-    fpt = ours.flops_per_token(T)  # same shapes for both models
+    fpt = ours.flops_per_token(T, "cpu")  # same shapes for both models
     peer = timed["transformers Qwen3NextForCausalLM, all linear_attention"]
     rows = []
     for name, m in models.items():

@@ -72,7 +72,7 @@ class Mamba2Stack(nn.Module):
         return F.linear(self.norm_f(x), self.embed.weight)
 
     def flops_per_token(self, T: int) -> float:
-        return sum(m.flops_per_token(T) for m in self.mixers) + 2 * self.embed.weight.numel()
+        return sum(m.flops_per_token(T, "cpu") for m in self.mixers) + 2 * self.embed.weight.numel()
 
     @torch.no_grad()
     def load_from(self, hf: Mamba2ForCausalLM) -> None:
@@ -121,7 +121,7 @@ def model_report(Bsz: int, T: int, rounds: int, iters: int, peak: float) -> str:
     models = {
         "ours, mamba2-only (transformers' architecture)": (stack, stack_loss, stack.flops_per_token(T)),
         "transformers Mamba2ForCausalLM (torch path)": (hf, lambda m: m(ids, labels=ids).loss, stack.flops_per_token(T)),
-        "ours, DecoderLM mixer=mamba2 (+ SwiGLU)": (lm, lambda m: m(ids, labels=ids).loss, lm.flops_per_token(T)),
+        "ours, DecoderLM mixer=mamba2 (+ SwiGLU)": (lm, lambda m: m(ids, labels=ids).loss, lm.flops_per_token(T, "cpu")),
     }
     timed = interleaved({k: train_step(m, loss) for k, (m, loss, _) in models.items()}, rounds, iters)
     peer = timed["transformers Mamba2ForCausalLM (torch path)"]

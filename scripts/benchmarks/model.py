@@ -37,7 +37,7 @@ def run(quick: bool) -> str:
              "ours (softmax, dense), optimizer=muon": train_step_fn(ours_muon, batch, muon)}
     times = interleaved(steps, rounds=3, iters=3 if quick else 10)  # peers take turns: noise hits both alike
     peak = matmul_peak_gflops()
-    flops = 3 * ours.flops_per_token(T) * B * T
+    flops = 3 * ours.flops_per_token(T, "cpu") * B * T
     base = times["transformers Llama (sdpa)"]
     rows = []
     for name, t in times.items():

@@ -14,6 +14,10 @@ The loop (training/loop.py) sees only this interface:
     objective.evaluates_at_start  the loop evaluates once before the first step (a student zero-shot)
     objective.leaves_parameters_unused   some steps leave parameters without a gradient (DDP must search)
     objective.describe(max_steps) -> str | None   the plan, printed at the start
+    objective.flops_schedule(seq_len, device) -> [(first step, training FLOPs per token)]   what each step costs
+                                  from that step on (training/budget.py StepCosts: the budget, flops_seen, MFU):
+                                  the model's parts at 3x forward where they train and 1x where frozen, plus
+                                  whatever else the objective runs (a teacher's forward)
 
 The base class is the language-modelling loss itself (`objective=lm`, model/lm.py: CE + the blocks' aux losses)."""
 import importlib
@@ -42,12 +46,7 @@ class Objective:
             state.print(f"init_from {cfg.init_from}: loaded {len(report['loaded'])} tensors; "
                         f"new: {report['new'] or 'none'}; unused: {report['unused'] or 'none'}; "
                         f"shape mismatch: {report['shape_mismatch'] or 'none'}")
-        trainable = cfg.trainer.trainable
-        if trainable:
-            for name, p in lm.named_parameters():
-                p.requires_grad_(any(s in name for s in trainable))
-            if not any(p.requires_grad for p in lm.parameters()):
-                raise ValueError(f"trainer.trainable={list(trainable)} matches no parameter name")
+        set_trainable(lm, cfg.trainer.trainable)
 
     def initial_weights(self):
         """What init_from loads the matching tensors from: a path, or a state dict."""
@@ -69,6 +68,21 @@ class Objective:
 
     def describe(self, max_steps: int) -> str | None:
         return None
+
+    def flops_schedule(self, seq_len: int, device) -> list[tuple[int, float]]:
+        """Every step trains the parameters that require gradients (trainer.trainable's)."""
+        from training.budget import training_flops_per_token
+
+        return [(0, training_flops_per_token(self.lm, seq_len, device))]
+
+
+def set_trainable(lm: nn.Module, trainable) -> None:
+    """trainer.trainable: with a list of substrings, only the parameters whose name holds one require gradients."""
+    if trainable:
+        for name, p in lm.named_parameters():
+            p.requires_grad_(any(s in name for s in trainable))
+        if not any(p.requires_grad for p in lm.parameters()):
+            raise ValueError(f"trainer.trainable={list(trainable)} matches no parameter name")
 
 
 for _info in pkgutil.iter_modules(__path__):

@@ -202,6 +202,24 @@ class Linearization(nn.Module):
         return LMOutput(loss=total, logits=out.logits, lm_loss=out.lm_loss, aux_loss=None,
                         aux_metrics={**out.aux_metrics, **metrics})
 
+    def flops_per_token(self, stage: str, seq_len: int, device) -> float:
+        """Training FLOPs per token of a step in `stage` (training/budget.py part_costs, the student's parts 3x
+        where the stage trains any of their own parameters, 1x where it trains none). transfer: the teacher's
+        forward (its lm_head on one token), the student's forward under no_grad, and every student mixer run
+        again on the teacher's mixer input; distill: the teacher's forward beside the student's step; finetune:
+        the student's step."""
+        from training.budget import part_costs
+
+        names = set(self.transfer_parameters) if stage == "transfer" else self.trainable
+        chosen = {id(p) for name, p in self.student.named_parameters() if name in names}
+        student = part_costs(self.student, seq_len, device, lambda p: id(p) in chosen)
+        teacher = self.teacher.flops_by_part(seq_len, device)
+        if stage == "transfer":
+            teacher_forward = sum(teacher.values()) - teacher["lm_head"] * (1 - 1 / seq_len)
+            mixers = sum(cost for part, cost in student.items() if part.split(".")[2:3] == ["mixer"])
+            return teacher_forward + self.student.flops_per_token(seq_len, device) + mixers
+        return sum(student.values()) + (sum(teacher.values()) if stage == "distill" else 0)
+
     def describe(self, max_steps: int) -> str:
         """The stage plan, for the run's first lines."""
         lc, names = self.lc, self.transfer_parameters
@@ -266,3 +284,13 @@ class Linearize(Objective):
 
     def describe(self, max_steps: int) -> str | None:
         return self.linearization.describe(max_steps) if self.linearization is not None else None
+
+    def flops_schedule(self, seq_len: int, device) -> list[tuple[int, float]]:
+        """Each stage that runs at its own cost (Linearization.flops_per_token), from its first step."""
+        if self.linearization is None:
+            return super().flops_schedule(seq_len, device)
+        lc = self.lc
+        stages = [("transfer", 0, lc.transfer_steps), ("distill", lc.transfer_steps, lc.distill_steps),
+                  ("finetune", lc.transfer_steps + lc.distill_steps, 1)]
+        return [(start, self.linearization.flops_per_token(stage, seq_len, device))
+                for stage, start, steps in stages if steps]
