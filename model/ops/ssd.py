@@ -21,7 +21,7 @@ from each sequence's start),
     prod_{s < l <= t} a_l = S_t S_s exp(G_t - G_s),
 so the positive-decay scan with log-decay log|a| runs on v_s = S_s dt_s x_s, its output is multiplied by
 S_t and its final state by S_T (the initial state's term, S_t exp(G_t) C_t h_0, comes out right too).
-The same kernel (fla's or ours) runs with the option on, at the cost of two elementwise products.
+The same kernel (fla's or ours) runs with the option on; the signs cost elementwise products.
 |a_t| is floored at sqrt(eps) of the compute dtype (fp32: 3.5e-4), in every path, the decoding step
 included: the gradient reaches a_t through d log|a| / da = 1 / a, which turns the rounding error of the
 log-space scan's gradient (eps relative) into eps / |a|; the floor keeps it below sqrt(eps), and changes
