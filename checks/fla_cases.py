@@ -30,11 +30,15 @@ def linear_inputs(T: int, seed: int = 0, B=2, H=4, K=64, V=64, state=True) -> di
     return x
 
 
-def ssd_inputs(T: int, seed: int = 0, B=2, H=4, P=64, G=2, N=64, state=True) -> dict:
+def ssd_inputs(T: int, seed: int = 0, B=2, H=4, P=64, G=2, N=64, state=True, allow_neg_eigval=False) -> dict:
+    """allow_neg_eigval: the transition 2 exp(dt A) - 1, with dt large enough (dt_bias around 0) that it takes
+    both signs (negative where dt |A| > log 2)."""
     x = _randn(seed, x=(B, T, H, P), dt=(B, T, H), A=(H,), B=(B, T, G, N), C=(B, T, G, N), D=(H,), dt_bias=(H,),
                initial_states=(B, H, P, N))
-    x["A"], x["dt_bias"] = -torch.exp(x["A"]), 0.5 * x["dt_bias"] - 3
+    x["A"], x["dt_bias"] = -torch.exp(x["A"]), 0.5 * x["dt_bias"] - (0 if allow_neg_eigval else 3)
     x["initial_states"] = 0.1 * x["initial_states"] if state else None
+    if allow_neg_eigval:
+        x["allow_neg_eigval"] = True
     return x
 
 
@@ -103,9 +107,10 @@ def op_linear(normalize: bool):
     return run
 
 
-def op_ssd(x, dt, A, B, C, D, dt_bias, initial_states=None, cu_seqlens=None):
+def op_ssd(x, dt, A, B, C, D, dt_bias, initial_states=None, cu_seqlens=None, allow_neg_eigval=False):
     from model.ops.ssd import mamba_chunk_scan
 
     y, S = mamba_chunk_scan(x, dt, A, B, C, 64, D=D, dt_bias=dt_bias, dt_softplus=True,
-                            initial_states=initial_states, return_final_states=True, cu_seqlens=cu_seqlens)
+                            initial_states=initial_states, return_final_states=True, cu_seqlens=cu_seqlens,
+                            allow_neg_eigval=allow_neg_eigval)
     return {"y": y, "state": S}

@@ -121,6 +121,9 @@ def kernel_cases() -> list[tuple]:
              SSD, "chunk_simple_gla", bf16),
             (f"mamba2 ssd initial state {p}", op_ssd, ssd_inputs(300, **shapes["mamba2"]), ssd_grads + ("initial_states",),
              SSD, "chunk_simple_gla", bf16),
+            (f"mamba2 ssd negative eigenvalues initial state {p}", op_ssd,
+             ssd_inputs(300, allow_neg_eigval=True, **shapes["mamba2"]), ssd_grads + ("initial_states",),
+             SSD, "chunk_simple_gla", bf16),
         ]
     return cases
 

@@ -34,14 +34,16 @@ CU_SHORT = torch.tensor([0, 3, 9, 11])  # for the per-token recurrence
 GDN_SHAPE, LINEAR_SHAPE, SSD_SHAPE = dict(H=2, K=16, V=16), dict(seed=1, H=2, K=16, V=16), dict(seed=2, H=4, P=8, G=1, N=16)
 
 
-def per_sequence(op):
-    """The reference for cu_seqlens with initial states, which our PyTorch ops do not take together: op on
-    each sequence alone from its own initial state; outputs concatenated, final states stacked."""
-    def run(initial_state, cu_seqlens, **x):
-        bounds = cu_seqlens.tolist()
-        parts = [op(**{n: t[:, a:b] for n, t in x.items()}, initial_state=initial_state[i:i + 1])
+def per_sequence(op, state: str = "initial_state"):
+    """The reference for cu_seqlens with initial states (op's argument `state`), which our PyTorch ops do not
+    take together: op on each sequence alone from its own initial state (the per-token inputs, [1, T, ...],
+    cut; the rest as given); outputs concatenated in time, final states stacked."""
+    def run(cu_seqlens, **x):
+        bounds, initial = cu_seqlens.tolist(), x.pop(state)
+        parts = [op(**{n: t[:, a:b] if torch.is_tensor(t) and t.dim() > 1 else t for n, t in x.items()},
+                    **{state: initial[i:i + 1]})
                  for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
-        return {"o": torch.cat([p["o"] for p in parts], 1), "state": torch.cat([p["state"] for p in parts])}
+        return {k: torch.cat([p[k] for p in parts], 0 if k == "state" else 1) for k in parts[0]}
     return run
 
 
@@ -53,6 +55,7 @@ def varlen(inputs: dict, states: tuple[str, ...]) -> dict:
 
 T_PACKED = int(CU_SEQLENS[-1])
 GDN_GRADS = ("q", "k", "v", "g", "beta", "initial_state")
+SSD_GRADS = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_states")
 # name: (our op, its inputs, the inputs differentiated, the fla module and function the dispatch must call,
 #        the reference when it is not the same op on the PyTorch path, the dtype fla runs in)
 CASES = {
@@ -76,10 +79,17 @@ CASES = {
     "linear normalized, cu_seqlens": (op_linear(True), {**linear_inputs(T_PACKED, B=1, state=False, **LINEAR_SHAPE),
                                                         "cu_seqlens": CU_SEQLENS}, ("q", "k", "v"), LINEAR,
                                       "chunk_linear_attn"),
-    "mamba2 ssd, initial state": (op_ssd, ssd_inputs(70, **SSD_SHAPE), ("x", "dt", "A", "B", "C", "D", "dt_bias",
-                                                                        "initial_states"), SSD, "chunk_simple_gla"),
+    "mamba2 ssd, initial state": (op_ssd, ssd_inputs(70, **SSD_SHAPE), SSD_GRADS, SSD, "chunk_simple_gla"),
     "mamba2 ssd, cu_seqlens": (op_ssd, {**ssd_inputs(T_PACKED, B=1, state=False, **SSD_SHAPE), "cu_seqlens": CU_SEQLENS},
-                               ("x", "dt", "A", "B", "C", "D", "dt_bias"), SSD, "chunk_simple_gla"),
+                               SSD_GRADS[:-1], SSD, "chunk_simple_gla"),
+    # allow_neg_eigval: the sign of 2 exp(dt A) - 1 carried around the same kernel; with per-sequence initial
+    # states the running sign must restart at each sequence
+    "mamba2 ssd negative eigenvalues, initial state": (
+        op_ssd, ssd_inputs(70, allow_neg_eigval=True, **SSD_SHAPE), SSD_GRADS, SSD, "chunk_simple_gla"),
+    "mamba2 ssd negative eigenvalues, cu_seqlens and initial states": (
+        op_ssd, varlen({**ssd_inputs(T_PACKED, B=1, allow_neg_eigval=True, **SSD_SHAPE), "cu_seqlens": CU_SEQLENS},
+                       ("initial_states",)),
+        SSD_GRADS, SSD, "chunk_simple_gla", per_sequence(op_ssd, "initial_states")),
 }
 
 

@@ -86,12 +86,13 @@ def test_linear_attention_cu_seqlens_matches_restarted_recurrence(normalize):
     assert_grads_match(leaves, [o, S], [o_ref, S_ref])
 
 
-def test_ssd_cu_seqlens_matches_restarted_recurrence():
+@pytest.mark.parametrize("allow_neg_eigval", [False, True])  # True: a_t < 0 for about half the tokens (test_ssd.py)
+def test_ssd_cu_seqlens_matches_restarted_recurrence(allow_neg_eigval):
     inp, _ = ssd_inputs(Bsz=1, T=37)
     per_token = {n: inp.pop(n).requires_grad_() for n in ("x", "dt", "B", "C", "z")}
-    y_ref, (S_ref,) = per_sequence(naive_ssd, CU, per_token, **inp, dt_softplus=True)
+    y_ref, (S_ref,) = per_sequence(naive_ssd, CU, per_token, **inp, dt_softplus=True, allow_neg_eigval=allow_neg_eigval)
     y, S = mamba_chunk_scan(**per_token, **inp, chunk_size=4, dt_softplus=True, return_final_states=True,
-                            cu_seqlens=CU)
+                            cu_seqlens=CU, allow_neg_eigval=allow_neg_eigval)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(S, S_ref, rtol=1e-10, atol=1e-10)
     assert_grads_match(per_token, [y, S], [y_ref, S_ref])

@@ -4,7 +4,9 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
+import model.mixers.mamba2 as mamba2_mixer
 from conftest import ALTERNATION_ALPHABET, train_on_alternation
 from model import DecodeCache, DecoderLM, LMConfig
 
@@ -125,6 +127,38 @@ def test_mamba2_groups_decode():
         steps = torch.cat([model(ids[:, :3], past_key_values=cache).logits]
                           + [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(3, 10)], 1)
     torch.testing.assert_close(steps, full, rtol=0, atol=1e-4)
+
+
+def test_mamba2_negative_eigenvalues_reach_the_scan_and_decode(monkeypatch):
+    """allow_neg_eigval: the scan and the decoding step get the option and transitions a_t = 2 exp(dt A) - 1 < 0
+    (dt_bias raised so that dt |A| > log 2 for many tokens); decoding (a prefill, a chunk across chunk_size, single
+    tokens) equals the full forward in float64; the same weights without the option give other logits."""
+    model = tiny_model("mamba2", mamba2={**OPTIONS["mamba2"], "allow_neg_eigval": True}).double()
+    randomise_decay_params(model)
+    with torch.no_grad():
+        for layer in model.layers:
+            layer.mixer.dt_bias.add_(1.0)
+    seen = {"mamba_chunk_scan": [], "mamba_state_step": []}  # per call: (allow_neg_eigval, a_t)
+    for name, calls in seen.items():
+        def spied(x, dt, A, *args, original=getattr(mamba2_mixer, name), calls=calls, **kw):
+            calls.append((kw.get("allow_neg_eigval"), 2 * torch.exp(F.softplus(dt + kw["dt_bias"]) * A) - 1))
+            return original(x, dt, A, *args, **kw)
+        monkeypatch.setattr(mamba2_mixer, name, spied)
+    ids = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        full = model(ids).logits
+        cache = DecodeCache(2)
+        parts = [model(ids[:, :5], past_key_values=cache).logits, model(ids[:, 5:16], past_key_values=cache).logits]
+        parts += [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(16, 21)]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=0, atol=1e-9)
+    for name, calls in seen.items():
+        assert calls and all(flag is True for flag, _ in calls), name
+        a = torch.cat([a.flatten() for _, a in calls])
+        assert (a < 0).any() and (a > 0).any(), name
+    plain = tiny_model("mamba2").double()
+    plain.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        assert (plain(ids).logits - full).abs().max() > 1e-2
 
 
 @pytest.mark.parametrize("n_groups", [1, 2])

@@ -23,6 +23,13 @@ Ours differs on purpose in one place: A = -exp(A_log) with -A = 1..H as transfor
 mamba_ssm draws -A ~ U(1, 16); with the few heads of a small model that draw decides whether any head
 keeps a long memory (docs/studies/mqar.md#parametrization). transformers' Mamba2 also differs from
 mamba_ssm in in_proj N(0, 0.1) and no residual rescale.
+
+allow_neg_eigval (default false) follows Grazzi et al. 2025 ("Unlocking State-Tracking in Linear RNNs
+Through Negative Eigenvalues", ICLR; their Mamba: the diagonal transition times 2, minus 1): the SSD's
+transition a_t = exp(dt_t A) in (0, 1) becomes 2 exp(dt_t A) - 1 in (-1, 1), negative where
+dt_t |A| > log 2, so that a head can flip its state's sign (parity). Parameters and init are unchanged.
+The chunked scan carries the sign apart from log|a_t| (model/ops/ssd.py), so on CUDA it still runs in
+fla's chunk_simple_gla, as with the option off; decoding steps the same signed recurrence.
 """
 from dataclasses import dataclass
 
@@ -44,6 +51,7 @@ class Mamba2Options:
     n_groups: int = option(1, at_least=1)     # G, dividing H
     conv_size: int = option(4, at_least=1)
     chunk_size: int = option(64, at_least=1)
+    allow_neg_eigval: bool = option(False)  # transition 2 exp(dt A) - 1 in (-1, 1) (Grazzi et al. 2025)
 
 
 @MIXERS.register("mamba2")
@@ -57,7 +65,7 @@ class Mamba2(nn.Module):
         d = config.hidden_size
         self.d_inner = opts.expand * d
         self.head_dim, self.state_size, self.n_groups = opts.head_dim, opts.state_size, opts.n_groups
-        self.chunk_size = opts.chunk_size
+        self.chunk_size, self.allow_neg_eigval = opts.chunk_size, opts.allow_neg_eigval
         if self.d_inner % self.head_dim:
             raise bad_option("mamba2", "head_dim", self.head_dim, f"a divisor of d_inner={self.d_inner}")
         self.num_heads = self.d_inner // self.head_dim
@@ -94,16 +102,17 @@ class Mamba2(nn.Module):
         if segments is not None:  # the state restarts at each segment
             xs, dt, B, C = (segments.flatten(t) for t in (xs, dt, B, C))
             y = mamba_chunk_scan(xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                                 cu_seqlens=segments.cu_seqlens)
+                                 cu_seqlens=segments.cu_seqlens, allow_neg_eigval=self.allow_neg_eigval)
         elif cache is not None and T == 1:
             if state is None:
                 state = x.new_zeros(Bsz, H, P, N, dtype=torch.float32)
             y, state = mamba_state_step(xs[:, 0], dt[:, 0], A, B[:, 0], C[:, 0], state, D=self.D,
-                                        dt_bias=self.dt_bias, dt_softplus=True)
+                                        dt_bias=self.dt_bias, dt_softplus=True, allow_neg_eigval=self.allow_neg_eigval)
             y = y[:, None]
         else:
             y = mamba_chunk_scan(xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias,
-                                 dt_softplus=True, initial_states=state, return_final_states=cache is not None)
+                                 dt_softplus=True, initial_states=state, return_final_states=cache is not None,
+                                 allow_neg_eigval=self.allow_neg_eigval)
             if cache is not None:
                 y, state = y
         if cache is not None:
