@@ -15,8 +15,8 @@ as MQAR's: labels[t + 1] = p_t is predicted at position t from x_0 .. x_t; label
 
 Lengths: T = trainer.seq_len. A training block of T elements labels p_0 .. p_{T-2} (p_{T-1}'s slot would be
 past the block). The model is causal and every position is labelled, so each prefix of a block is a training
-sequence of its own length: a block holds every length 1 .. T-1 at once (sampling lengths up to T, as
-Grazzi et al. do up to 40, would train on the same sequences, weighted toward short ones).
+sequence of its own length: a block holds every length 1 .. T-1 at once (separate sequences of lengths up to T,
+as Grazzi et al. train on up to 40, are the same prefixes, weighted toward the short ones).
 
 Evaluation (`extra_eval`): test sequences of 8T elements; the greedy accuracy at position t against p_t over
 the positions [kT/2, kT) (prefix lengths (kT/2, kT]) for k in EVAL_FACTORS = 1, 2, 4, 8, logged as
@@ -68,8 +68,7 @@ def permutation_group(n: int, even_only: bool) -> Group:
 
 
 def build_group(task: str, modulus: int) -> Group:
-    if task not in TASKS:
-        raise ValueError(f"data.task={task!r}; valid: one of {', '.join(TASKS)}")
+    """The group of data.task (one of TASKS, checked with the config: training/validation.py)."""
     return {"parity": lambda: cyclic_group(2), "mod_count": lambda: cyclic_group(modulus),
             "s3": lambda: permutation_group(3, False), "a5": lambda: permutation_group(5, True),
             "s5": lambda: permutation_group(5, False)}[task]()
