@@ -11,6 +11,7 @@ from sympy.combinatorics import Permutation
 from sympy.combinatorics.named_groups import AlternatingGroup, SymmetricGroup
 
 from data.state_tracking import TASKS, band_metrics, build_group, build_state_tracking, state_accuracy
+from model import MIXERS
 
 ORDERS = {"parity": 2, "mod_count": 5, "s3": 6, "a5": 60, "s5": 120}
 
@@ -130,14 +131,15 @@ def test_band_metrics_average_positions_within_each_band():
     assert acc["val/state_acc/12"] == pytest.approx(8.5 / 24) and acc["val/state_acc/24"] == pytest.approx(17.5 / 24)
 
 
-def test_state_accuracy_of_a_model_counts_argmax_hits(one_thread):
-    """A real DecoderLM: state_accuracy's count equals the hits of its argmax computed here, by band."""
+@pytest.mark.parametrize("mixer", MIXERS.names())
+def test_state_accuracy_of_a_model_counts_argmax_hits(mixer, one_thread):
+    """A DecoderLM of each mixer at 8x its training length: state_accuracy's count equals the hits of its argmax
+    computed here, by band."""
     from model import DecoderLM, LMConfig
 
     torch.manual_seed(0)
-    data = build_state_tracking(st_cfg("s3", test=5), 6, seed=0)
     model = DecoderLM(LMConfig(vocab_size=6, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                               intermediate_size=64, max_position_embeddings=48))
+                               intermediate_size=64, max_position_embeddings=48, mixer=mixer))
     ids = torch.randint(0, 6, (5, 48), generator=torch.Generator().manual_seed(3))
     products = torch.from_numpy(reference_products("s3", 5, ids.numpy()))
     with torch.no_grad():
