@@ -99,7 +99,8 @@ def bad_values(rule):
 
 def train_cases():
     for key, rule in TRAIN_RULES.items():
-        data = ("data=mqar" if key.startswith(("data.power_a", "data.train", "data.test")) else
+        data = ("data=state_tracking" if key in ("data.task", "data.modulus", "data.train_examples", "data.test_examples") else
+                "data=mqar" if key.startswith(("data.power_a", "data.train", "data.test")) else
                 "data=hf" if key in ("data.max_tokens", "data.streaming", "data.bpe_train_bytes") else None)
         for value in bad_values(rule):
             yield pytest.param(key, value, data, id=f"{key}={value!r}")

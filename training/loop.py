@@ -170,13 +170,14 @@ def finish(run: Run, last_log: dict) -> float:
     then on the main process: plots, the summary, and a sample from the exported model."""
     from evaluation.samples import sample
     from training.checkpoint import export_final, load_lm
-    from training.plots import plot_loss_curves, plot_moe_load
+    from training.plots import plot_loss_curves, plot_moe_load, plot_state_accuracy
 
     a, cfg, tc = run.accelerator, run.cfg, run.cfg.trainer
     final = evaluate(run) if run.step % tc.eval_every else {k: v for k, v in last_log.items() if k.startswith("val/")}
     folder = export_final(run.lm, run.data.tokenizer, OmegaConf.to_yaml(cfg, resolve=True), run.run_dir, run.expert_mesh)
     if a.is_main_process:
-        plots = [p for p in [plot_loss_curves(run.run_dir), *plot_moe_load(run.run_dir)] if p]  # MoE: heatmap, imbalance
+        plots = [p for p in [plot_loss_curves(run.run_dir), *plot_moe_load(run.run_dir), plot_state_accuracy(run.run_dir)]
+                 if p]  # MoE: heatmap, imbalance; state tracking: accuracy against length
         if cfg.logger.name == "wandb":
             from training.tracking import finish_run
 

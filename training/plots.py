@@ -1,9 +1,11 @@
-"""End-of-run plots from a run's metrics.jsonl: the loss curves, and for MoE runs the expert-load
-heatmap and the imbalance curve (the `moe/...` metrics of model/ffn/moe.py)."""
+"""End-of-run plots from a run's metrics.jsonl: the loss curves, for MoE runs the expert-load heatmap and the
+imbalance curve (the `moe/...` metrics of model/ffn/moe.py), and for state-tracking runs the accuracy against
+length (the `val/state_acc/<len>` bands of data/state_tracking.py)."""
+import json
 import re
 from pathlib import Path
 
-from common.plots import pyplot
+from common.plots import legend_outside, pyplot, save_figure
 from training.metrics import read_metrics
 
 
@@ -89,3 +91,36 @@ def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
         plt.close(fig)
         written.append(out)
     return written
+
+
+STATE_ACC = re.compile(r"^val/state_acc/(\d+)$")
+
+
+def plot_state_accuracy(run_dir) -> Path | None:
+    """state_acc.png: each length band's accuracy at the band's length L (prefix lengths (L/2, L]; log2 axis), one
+    line per evaluation (the last one bold), chance (1 / the group's order, from run_info.json) and the training
+    length (the first band's)."""
+    run_dir = Path(run_dir)
+    evals = [r for r in read_metrics(run_dir) if any(STATE_ACC.match(k) for k in r)]
+    if not evals:
+        return None
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for i, row in enumerate(evals):
+        points = sorted((int(m.group(1)), v) for k, v in row.items() if (m := STATE_ACC.match(k)))
+        last = i == len(evals) - 1
+        ax.plot(*zip(*points), "o-", color="C0" if last else "grey", lw=2 if last else 0.8,
+                alpha=1.0 if last else 0.3 + 0.5 * i / len(evals), ms=4 if last else 2, label=f"step {row['step']}")
+    lengths = [x for x, _ in points]
+    info = json.loads((run_dir / "run_info.json").read_text()) if (run_dir / "run_info.json").exists() else {}
+    if order := info.get("data_info", {}).get("group_order"):
+        ax.axhline(1 / order, color="black", ls=":", lw=1, label=f"chance 1/{order}")
+    ax.axvline(lengths[0], color="black", ls="--", lw=0.8, label=f"training length {lengths[0]}")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(x) for x in lengths])
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("length L (the band of prefix lengths (L/2, L])")
+    ax.set_ylabel("state accuracy")
+    ax.set_title(f"state tracking: {run_dir.name}", fontsize=10)
+    legend_outside(ax)
+    return save_figure(fig, run_dir / "state_acc.png")

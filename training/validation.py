@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from omegaconf import OmegaConf
 
+from data.state_tracking import TASKS as STATE_TRACKING_TASKS, eval_length
 from model.config import PARAMETRIZATIONS, PER_MIXER
 from training.budget import given_budget
 from training.objectives import OBJECTIVES
@@ -114,6 +115,10 @@ TRAIN_RULES = {
     "data.cache_shared": FLAG,
     "data.streaming": FLAG,
     "data.power_a": Rule(float, above=0),
+    "data.task": Rule(str, choices=STATE_TRACKING_TASKS),
+    "data.modulus": Rule(int, at_least=2),
+    "data.train_examples": positive(),
+    "data.test_examples": positive(),
     "optimizer.weight_decay": Rule(float, at_least=0),
     "optimizer.momentum": Rule(float, at_least=0, below=1),
     "optimizer.nesterov": FLAG,
@@ -181,6 +186,10 @@ def check_train_config(cfg) -> None:
         raise ValueError(f"trainer.grad_accum={tc.grad_accum}; valid: a divisor of trainer.batch_size={tc.batch_size}")
     if tc.seq_len > m.max_position_embeddings:
         raise ValueError(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
+    if cfg.data.name == "state_tracking" and (longest := eval_length(tc.seq_len)) > m.max_position_embeddings:
+        factor = longest // tc.seq_len
+        raise ValueError(f"trainer.seq_len={tc.seq_len}; valid with data=state_tracking (tested at {factor} x trainer.seq_len "
+                         f"= {longest} tokens): <= model.max_position_embeddings / {factor} = {m.max_position_embeddings // factor}")
     if cfg.data.get("tokenizer") == "bpe" and cfg.data.vocab_size < 257:
         raise ValueError(f"data.vocab_size={cfg.data.vocab_size}; valid: >= 257 with data.tokenizer=bpe "
                          f"(its 256 byte tokens and EOS)")
