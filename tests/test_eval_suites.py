@@ -396,7 +396,8 @@ def test_eval_py_runs_the_suites(tiny_run, data_cache, tmp_path):
     rows = report["decode"]["rows"]
     assert rows[0]["cache_bytes"] == 2 * 2 * 2 * 16 * 64 * 4 and rows[1]["cache_bytes"] == 2 * rows[0]["cache_bytes"]
     scores = report["scores"]
-    assert {"recall/acc", "recall/acc@128", "recall/answer_logprob", "decode/tokens_per_sec@64",
+    assert {"recall/acc", "recall/acc@128", "recall/answer_logprob", "recall/choice_acc@256", "recall/lift@128",
+            "recall/copy@256", "decode/tokens_per_sec@64",
             "decode/prefill_tokens_per_sec@64", "decode/peak_mem_gb@64", "decode/cache_bytes@64"} <= set(scores)
     assert {f"length/loss_{band}" for band in length["bands"]} <= set(scores) and "length/loss_1x" in scores
     for png in ("length_loss.png", "recall_heatmap.png", "decode.png", "per_position_loss.png"):
