@@ -551,14 +551,21 @@ def test_every_figure_draws_an_architecture_in_its_colour(tmp_path, plotted):
         assert colours == [curves[gdn][0], curves[softmax][0]], name
 
 
-def eval_report(seq_lens=(64, 128), bands=(2.0, 2.5), acc=((1.0, 0.5), (0.5, 0.0)), decode=(100.0, 50.0)) -> dict:
-    """A fake eval.py report with the length, recall and decode suites (training length 64)."""
-    return {"scores": {"recall/acc": sum(map(sum, acc)) / 4},
+def eval_report(seq_lens=(64, 128), bands=(2.0, 2.5), acc=((1.0, 0.5), (0.5, 0.0)), decode=(100.0, 50.0),
+                choice=None, copy=(-0.5, -0.1)) -> dict:
+    """A fake eval.py report with the length, recall and decode suites (training length 64); with `choice` (a row of
+    forced-choice accuracy per context) the recall suite's graded scores too, else its report from before them."""
+    graded = {} if choice is None else {"choice_acc": [list(c) for c in choice], "lift": [[2.0, 1.0], [1.0, 0.0]],
+                                        "copy": list(copy), "candidates": 10}
+    scores = {"recall/acc": sum(map(sum, acc)) / 4}
+    if choice is not None:
+        scores.update({"recall/choice_acc": sum(map(sum, choice)) / 4, "recall/lift": 1.0, "recall/copy": sum(copy) / 2})
+    return {"scores": scores,
             "length": {"train_seq_len": 64, "seq_lens": list(seq_lens),
                        "per_position": {str(n): [3.0 - i / n for i in range(n)] for n in seq_lens},
                        "bands": dict(zip(("1x", "2x"), bands))},
             "recall": {"contexts": [128, 256], "depths": [0.0, 1.0], "acc": [list(a) for a in acc],
-                       "answer_logprob": [[-1.0, -2.0]] * 2},
+                       "answer_logprob": [[-1.0, -2.0]] * 2, **graded},
             "decode": {"contexts": [128, 256, 512], "rows": [
                 {"context": 128, "prefill_tokens_per_sec": 1e4, "decode_tokens_per_sec": decode[0], "peak_mem_bytes": 1,
                  "cache_bytes": 1000, "cache_bytes_per_layer": 500},
@@ -569,12 +576,15 @@ def eval_report(seq_lens=(64, 128), bands=(2.0, 2.5), acc=((1.0, 0.5), (0.5, 0.0
 
 @pytest.mark.slow
 def test_compare_eval_suite_plots(tmp_path, plotted):
-    """length.png, recall_state.png, recall_throughput.png and decode.png from fake eval.json (a run without the
-    suites is left out), and the band table: per run, then per architecture at its best lr (mean over seeds)."""
+    """length.png, recall_state.png, recall_throughput.png, recall_graded.png and decode.png from fake eval.json (a run
+    without the suites is left out), the band table and the graded recall table: per run, then per architecture at its
+    best lr (mean over seeds)."""
     runs = tmp_path / "runs"
-    reports = {"softmax_0": eval_report(),
-               "gdn_0": eval_report(bands=(2.2, 3.0), acc=((0.5, 0.5), (0.0, 0.0)), decode=(300.0, 280.0)),
-               "gdn_1": eval_report(bands=(2.4, 3.4), acc=((1.0, 1.0), (0.0, 0.0)), decode=(200.0, 180.0))}
+    reports = {"softmax_0": eval_report(),  # a recall report from before the graded scores
+               "gdn_0": eval_report(bands=(2.2, 3.0), acc=((0.5, 0.5), (0.0, 0.0)), decode=(300.0, 280.0),
+                                    choice=((1.0, 0.6), (0.2, 0.2))),
+               "gdn_1": eval_report(bands=(2.4, 3.4), acc=((1.0, 1.0), (0.0, 0.0)), decode=(200.0, 180.0),
+                                    choice=((0.6, 0.6), (0.4, 0.0)), copy=(-0.3, 0.1))}
     for name, config in (("softmax_0", tiny_config()), ("gdn_0", at(tiny_config("mixer=gdn"), 1e-2, 0)),
                          ("gdn_1", at(tiny_config("mixer=gdn"), 1e-2, 1)), ("plain", at(tiny_config("mixer=gdn"), 3e-2, 0))):
         write_run(runs / name, config, train_rows([10, 10], [3.0, 2.0 if name != "plain" else 2.5]),
@@ -587,7 +597,7 @@ def test_compare_eval_suite_plots(tmp_path, plotted):
     md = (out / "compare.md").read_text()
     assert "| softmax_0 | 2 | 2.5 |" in md and "| gdn_0 | 2.2 | 3 |" in md and "| gdn_1 | 2.4 | 3.4 |" in md
     assert "| plain |" not in md.split("## Loss by length")[1]
-    for name in ("length.png", "recall_state.png", "recall_throughput.png", "decode.png"):
+    for name in ("length.png", "recall_state.png", "recall_throughput.png", "recall_graded.png", "decode.png"):
         assert (out / name).stat().st_size > 1000, name
     curves = plotted["length.png"]
     from evaluation.suites.length import REPORT_BINS, log_binned  # loss by position averaged in log-spaced bins
@@ -600,11 +610,21 @@ def test_compare_eval_suite_plots(tmp_path, plotted):
     assert plotted["recall_throughput.png"] == [([280.0], [0.25]), ([180.0], [0.5]), ([50.0], [0.5])]
     assert plotted["decode.png"] == [([128, 256], [300.0, 280.0]), ([128, 256], [200.0, 180.0]), ([128, 256], [100.0, 50.0]),
                                      *[([128, 256], [1000, 2000])] * 3]
+    # the graded recall of the runs that have it (softmax_0's report predates it), per context (mean over depths):
+    # forced choice (gdn_0, gdn_1, the chance line), lift (gdn_0, gdn_1, 0), copy (gdn_0, gdn_1, 0)
+    graded = [(x, pytest.approx(y)) for x, y in plotted["recall_graded.png"]]
+    assert [y for _, y in graded] == [[0.8, 0.2], [0.6, 0.2], [0.1, 0.1], [1.5, 0.5], [1.5, 0.5], [0, 0],
+                                      [-0.5, -0.1], [-0.3, 0.1], [0, 0]]
+    assert graded[0][0] == graded[4][0] == graded[7][0] == [128, 256]
+    graded = md.split("## Graded recall")[1]
+    assert "| run | recall/acc | recall/choice_acc | recall/lift | recall/copy |" in graded
+    assert "| gdn_0 | 0.25 | 0.5 | 1 | -0.3 |" in graded and "| softmax_0 | 0.5 | - | - | - |" in graded
     # gdn at its best lr (1e-2, the two seeds) averaged; softmax alone
     out = tmp_path / "best"
     compare([runs], out, best_over="trainer.lr")
     md = (out / "compare.md").read_text()
     assert "| gdn-dense-d32 | 2.3 | 3.2 |" in md and "| softmax-dense-d32 | 2 | 2.5 |" in md
+    assert "| gdn-dense-d32 | 0.375 | 0.45 | 1 | -0.2 |" in md.split("## Graded recall")[1]
     assert plotted["recall_throughput.png"] == [([230.0], [0.375]), ([50.0], [0.5])]
 
 

@@ -1,10 +1,14 @@
-"""eval.py's suites (evaluation/suites/): the passkey sits where it is said to at every depth, the length
-suite scores every position past the training length, the decode cache holds what each mixer's state
+"""eval.py's suites (evaluation/suites/): the passkey sits where it is said to at every depth, its graded
+scores (forced choice, lift, copy) are what a direct computation gives and grade a copying model above a
+blind one, the length suite scores every position past the training length in bands of the last half, the decode cache holds what each mixer's state
 analytically is, and `python eval.py ... suite=[length,recall,decode]` writes them all."""
 import json
+import math
 import subprocess
 import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -17,7 +21,11 @@ from model.lm import DecoderLM
 from model.registry import MIXERS
 from evaluation.suites.decode import decode_costs
 from evaluation.suites.length import bands, log_binned, loss_by_length
-from evaluation.suites.recall import Recall, mqar_recall, passkey_example, passkey_recall, score_answer
+from evaluation.suites.recall import (Recall, RecallOptions, copy_example, copy_losses, filler_stream, first_place_share,
+                                      mqar_recall, passkey_example, passkey_recall, passkey_trials, score_continuations,
+                                      without_needle)
+from model.lm import DecodeCache
+from model.options import parse_options
 from training.validation import check_eval_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -53,44 +61,211 @@ def test_the_passkey_sits_at_its_depth(tokenizer, depth):
     enc = lambda s: tokenizer.encode(s, add_special_tokens=False)  # noqa: E731
     filler = torch.arange(1000, 1500)  # ids the tokenizer never makes: the filler is told apart from the rest
     context, key = 200, "48213"
-    ids, answer, p = passkey_example(filler, tokenizer, context, depth, key)
+    ids, answer, at_needle = passkey_example(filler, tokenizer, context, depth, key)
     needle = enc("\n") + enc('passkey = "') + enc(key) + enc('"\n')
     query = enc("\n") + enc('passkey = "')
     filler_size = context - len(needle) - len(query) - len(answer)
     assert len(ids) + len(answer) == context
-    assert p == round(depth * filler_size)
+    p = round(depth * filler_size)
+    assert at_needle == slice(p, p + len(needle))
     assert ids[:p].tolist() == list(range(1000, 1000 + p))  # the filler before the needle, in order
     assert ids[p:p + len(needle)].tolist() == needle
     assert ids[p + len(needle):len(ids) - len(query)].tolist() == list(range(1000 + p, 1000 + filler_size))
     assert ids[-len(query):].tolist() == query
     at = p + len(enc("\n")) + len(enc('passkey = "'))
     assert ids[at:at + len(answer)].tolist() == answer.tolist() and tokenizer.decode(answer) == key
+    # the same haystack without the needle: the filler in order, then the query
+    assert without_needle(ids, at_needle).tolist() == list(range(1000, 1000 + filler_size)) + query
 
 
 def test_a_greedy_answer_scores_as_generate_decodes():
-    """score_answer's exact match is greedy decoding and its log-prob the mean over the answer tokens."""
+    """score_continuations' greedy flag is greedy decoding and its log-probs generate's scores, for each continuation
+    of a batch of different lengths (right-padded after the prompt's cache)."""
     lm = tiny_lm("softmax")
     prompt = torch.randint(64, (20,), generator=torch.Generator().manual_seed(1))
     out = lm.generate(prompt[None], attention_mask=torch.ones(1, 20, dtype=torch.long), max_new_tokens=4,
                       do_sample=False, output_scores=True, return_dict_in_generate=True, pad_token_id=0, eos_token_id=None)
     answer = out.sequences[0, 20:]
-    logprob = torch.stack([s[0].log_softmax(-1)[t] for s, t in zip(out.scores, answer)]).mean().item()
-    hit, score = score_answer(lm, prompt, answer, "cpu")
-    assert hit and score == pytest.approx(logprob, abs=1e-5)
+    logprobs = torch.stack([s[0].log_softmax(-1)[t] for s, t in zip(out.scores, answer)])
     wrong = answer.clone()
     wrong[-1] = (wrong[-1] + 1) % 64
-    assert not score_answer(lm, prompt, wrong, "cpu")[0]
+    scored, greedy = score_continuations(lm, prompt, [answer[:2], answer, wrong, answer[:1]], "cpu")
+    assert greedy == [True, True, False, True]
+    for lp, n in zip(scored, (2, 4, 3, 1)):
+        torch.testing.assert_close(lp[:n], logprobs[:n], rtol=0, atol=1e-5)
+    assert scored[2][3] < logprobs[3]  # the changed last token is not the argmax
 
 
 def test_recall_suite_grid(tokenizer):
     lm = tiny_lm("softmax", max_positions=128, vocab=len(tokenizer))
     val = Split(torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(0)))
-    report = passkey_recall(lm, tokenizer, val, [64, 128, 256], [0.0, 1.0], 2, 0, "cpu")
+    report = passkey_recall(lm, tokenizer, val, [64, 128, 256], [0.0, 1.0], 2, 10, 8, 0, "cpu")
     assert report["contexts"] == [64, 128] and "exceed max_position_embeddings=128" in report["skipped"]["256"]
-    assert len(report["acc"]) == 2 and all(len(row) == 2 for row in report["answer_logprob"])
+    assert all(len(report[k]) == 2 and all(len(row) == 2 for row in report[k])
+               for k in ("acc", "answer_logprob", "choice_acc", "lift"))
+    assert len(report["copy"]) == 2 and report["copy"] == [b - a for a, b in zip(report["copy_first_loss"],
+                                                                                   report["copy_second_loss"])]
     scores = Recall().scores(report)
-    assert set(scores) == {"recall/acc", "recall/acc@64", "recall/acc@128", "recall/answer_logprob"}
+    assert set(scores) == {"recall/answer_logprob", *(f"recall/{name}{at}" for name in ("acc", "choice_acc", "lift", "copy")
+                                                       for at in ("", "@64", "@128"))}
     assert scores["recall/answer_logprob"] < 0
+    assert scores["recall/choice_acc@64"] == pytest.approx(np.mean(report["choice_acc"][0]))
+    assert scores["recall/copy"] == pytest.approx(np.mean(report["copy"]))
+
+
+COPY_LOGIT = 10.0
+
+
+class Copier:
+    """A stand-in LM that copies (an induction oracle): at each position, the token that followed the latest earlier
+    occurrence of the longest suffix (up to 8 tokens) of the sequence so far gets logit COPY_LOGIT, every other token
+    0; with no earlier occurrence every logit is 0 (uniform). It keeps the tokens seen in a DecodeCache, so the
+    suite's cached scoring (a prompt, then continuations side by side) runs as on a DecoderLM."""
+
+    def __init__(self, vocab: int):
+        self.config = SimpleNamespace(vocab_size=vocab, max_position_embeddings=4096, layer_mixers=[])
+        self.layers = []
+
+    @staticmethod
+    def next_token(seen: np.ndarray) -> int | None:
+        for k in range(min(8, len(seen) - 1), 0, -1):
+            earlier = np.lib.stride_tricks.sliding_window_view(seen[:-1], k)  # windows ending before the last token
+            starts = np.flatnonzero((earlier == seen[-k:]).all(1))
+            if len(starts):
+                return int(seen[starts[-1] + k])
+        return None
+
+    def __call__(self, input_ids, past_key_values=None, use_cache=None, logits_to_keep=0, **_):
+        if past_key_values is None and use_cache:
+            past_key_values = DecodeCache(1)
+        layer = past_key_values.layers[0] if past_key_values is not None else {}
+        full = torch.cat([layer["tokens"], input_ids], 1) if "tokens" in layer else input_ids
+        layer["tokens"] = full
+        ends = range(full.shape[1] - (logits_to_keep or input_ids.shape[1]), full.shape[1])
+        logits = torch.zeros(len(full), len(ends), self.config.vocab_size)
+        for b, row in enumerate(full.numpy()):
+            for i, t in enumerate(ends):
+                if (token := self.next_token(row[:t + 1])) is not None:
+                    logits[b, i, token] = COPY_LOGIT
+        return SimpleNamespace(logits=logits, past_key_values=past_key_values)
+
+
+def uniform_lm(vocab: int) -> DecoderLM:
+    """A DecoderLM whose logits are all 0: every token has probability 1 / vocab wherever it stands."""
+    lm = tiny_lm("softmax", max_positions=256, vocab=vocab)
+    with torch.no_grad():
+        lm.lm_head.weight.zero_()
+    return lm
+
+
+def arange_val(blocks: int = 4, length: int = 64, start: int = 1000) -> Split:
+    """Val text of distinct tokens (ids the test tokenizers never make), so nothing in a haystack repeats."""
+    return Split(torch.arange(start, start + blocks * length).view(blocks, length))
+
+
+def test_first_place_share_is_the_expected_credit_of_a_random_tie_break():
+    assert first_place_share([-1.0, -2.0, -3.0]) == 1.0
+    assert first_place_share([-2.0, -1.0, -3.0]) == 0.0
+    assert first_place_share([-1.0, -1.0, -3.0, -1.0]) == pytest.approx(1 / 3)
+    assert first_place_share([-5.0] * 10) == pytest.approx(0.1)
+
+
+def test_a_copying_model_finds_the_key_every_time(tokenizer):
+    """The induction oracle reads the key back from the needle: exact match and forced choice 1 at every context and
+    depth; each answer token gets log-prob COPY_LOGIT - log(e^COPY_LOGIT + V - 1); without the needle the query has no
+    earlier occurrence, so the key is uniform (log p = -|key| log V) and the lift is at least log V."""
+    V = 1400
+    report = passkey_recall(Copier(V), tokenizer, arange_val(), [64, 128], [0.0, 0.5, 1.0], 3, 10, 8, 0, "cpu")
+    assert report["contexts"] == [64, 128]
+    assert report["acc"] == [[1.0] * 3] * 2 and report["choice_acc"] == [[1.0] * 3] * 2
+    per_token = COPY_LOGIT - math.log(math.exp(COPY_LOGIT) + V - 1)
+    assert np.array(report["answer_logprob"]) == pytest.approx(per_token, abs=1e-5)
+    assert min(min(row) for row in report["lift"]) > math.log(V) + per_token
+
+
+def test_a_uniform_model_scores_chance_exactly():
+    """Logits all 0 and a tokenizer of one token per character (every key 5 tokens): every candidate scores
+    -5 log V, all 10 tie, and the tie rule credits 1/10 in every cell; the needle changes nothing (lift 0) and a
+    repeated span is no easier (copy 0)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = Tokenizer(models.BPE())
+    chars.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    chars.train_from_iterator(["passkey"], trainers.BpeTrainer(vocab_size=257, special_tokens=["<eos>"], show_progress=False,
+                                                              initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=chars, eos_token="<eos>")
+    assert len(tokenizer.encode("48213", add_special_tokens=False)) == 5
+    report = passkey_recall(uniform_lm(1300), tokenizer, arange_val(start=300), [64, 128], [0.0, 1.0], 3, 10, 8, 0, "cpu")
+    assert np.array(report["choice_acc"]) == pytest.approx(0.1, rel=1e-12) and report["acc"] == [[0.0, 0.0]] * 2
+    assert report["lift"] == [[0.0, 0.0]] * 2
+    assert report["copy"] == pytest.approx([0.0, 0.0], abs=1e-6)
+    assert report["copy_first_loss"] == pytest.approx([math.log(1300)] * 2)
+
+
+@pytest.mark.parametrize("mixer", ["softmax", "gdn"])
+def test_graded_scores_are_the_direct_computation(tokenizer, mixer):
+    """Each cell against full forwards of prompt + candidate (no cache, no batching), with the prompt without the
+    needle built here from its pieces: lift = log p(key | needle) - log p(key | no needle) (nats per key), forced
+    choice by the whole candidate's log-prob, exact match by the argmax; the trials drawn as the suite draws them."""
+    lm = tiny_lm(mixer, max_positions=128, vocab=len(tokenizer))
+    val = Split(torch.randint(1, 300, (8, 32), generator=torch.Generator().manual_seed(0)))
+    context, depths, trials = 96, [0.0, 0.5, 1.0], 3
+    report = passkey_recall(lm, tokenizer, val, [context], depths, trials, 4, 8, 0, "cpu")
+    enc = lambda s: torch.tensor(tokenizer.encode(s, add_special_tokens=False))  # noqa: E731
+
+    def key_logprobs(prompt, key):
+        seq = torch.cat([prompt, key])
+        with torch.no_grad():
+            logprobs = lm(seq[None]).logits[0, len(prompt) - 1:-1].log_softmax(-1)
+        return logprobs.gather(-1, key[:, None])[:, 0], bool((logprobs.argmax(-1) == key).all())
+
+    stream = filler_stream(val, context, tokenizer.eos_token_id)
+    drawn = passkey_trials(stream, context, trials, 4, 0)
+    for j, depth in enumerate(depths):
+        lift, choice, hits = [], [], []
+        for key, window, others in drawn:
+            ids, answer, _ = passkey_example(window, tokenizer, context, depth, key)
+            query = torch.cat([enc("\n"), enc('passkey = "')])
+            size = context - 2 * len(query) - 2 * len(answer) - len(enc('"\n'))
+            absent = torch.cat([window[:size], query])
+            totals = [key_logprobs(ids, enc(k))[0].sum().item() for k in (key, *others)]
+            lift.append(totals[0] - key_logprobs(absent, answer)[0].sum().item())
+            choice.append(float(totals[0] > max(totals[1:])))
+            hits.append(key_logprobs(ids, answer)[1])
+        assert report["lift"][0][j] == pytest.approx(np.mean(lift), abs=1e-4)
+        assert report["choice_acc"][0][j] == np.mean(choice) and report["acc"][0][j] == np.mean(hits)
+
+
+@pytest.mark.parametrize("C", [64, 67])
+def test_the_copy_span_sits_twice_half_the_context_apart(C):
+    window, span = torch.arange(100, 100 + C), 16
+    ids, first, second = copy_example(window, span)
+    lead = C // 2 - span
+    assert len(ids) == C
+    assert ids[lead:lead + span].tolist() == ids[C - span:].tolist() == list(range(100, 100 + span))
+    assert ids[:lead].tolist() + ids[lead + span:C - span].tolist() == list(range(100 + span, 100 + C - span))
+    assert (first, second) == (slice(lead + 1, lead + span), slice(C - span + 1, C))  # each occurrence but its first token
+
+
+def test_copy_score_of_a_copier_and_of_a_blind_model():
+    """The induction oracle: the span's first occurrence has nothing to copy (uniform, log V per token), the second
+    is copied (COPY_LOGIT on the right token), so copy = log(e^COPY_LOGIT + V - 1) - COPY_LOGIT - log V < 0. A model
+    that does not copy (logits all 0) scores 0."""
+    V, windows = 1300, torch.arange(1000, 1256).view(2, 128)
+    first, second = copy_losses(Copier(V), windows, 16, "cpu")
+    assert first == pytest.approx(math.log(V), rel=1e-6)
+    assert second - first == pytest.approx(math.log(math.exp(COPY_LOGIT) + V - 1) - COPY_LOGIT - math.log(V), rel=1e-5)
+    first, second = copy_losses(uniform_lm(V), windows, 16, "cpu")
+    assert second - first == pytest.approx(0.0, abs=1e-6)
+
+
+def test_recall_options_are_checked_once():
+    assert RecallOptions().candidates == 10
+    with pytest.raises(ValueError, match=r"^recall suite candidates=1; valid: an integer >= 2$"):
+        parse_options("recall suite", RecallOptions, {"candidates": 1})
+    with pytest.raises(ValueError, match=r"^recall suite copy_span=20; valid: an integer >= 2 and <= min\(recall.contexts\) / 4 = 16$"):
+        parse_options("recall suite", RecallOptions, {"contexts": [64, 128], "copy_span": 20})
 
 
 def test_mqar_grid():
@@ -114,7 +289,7 @@ def test_length_scores_every_position_past_the_training_length():
     with torch.no_grad():
         expected = F.cross_entropy(lm(ids).logits[:, :-1].transpose(1, 2), ids[:, 1:], reduction="none").mean(0)
     assert report["per_position"][str(8 * T)] == pytest.approx(expected.tolist(), abs=1e-5)
-    assert report["bands"]["1x"] == pytest.approx(expected[:T].mean().item(), abs=1e-5)  # positions 1..T
+    assert report["bands"]["1x"] == pytest.approx(expected[T // 2:T].mean().item(), abs=1e-5)  # (T/2, T]
     assert report["bands"]["8x"] == pytest.approx(expected[4 * T:].mean().item(), abs=1e-5)  # (4T, 8T - 1]
 
 
@@ -137,7 +312,16 @@ def test_length_takes_single_document_blocks():
     ids = torch.randint(64, (6, 16))
     report = loss_by_length(tiny_lm("softmax"), lambda L: Masked(ids), 16, [1], 8, 64, "cpu")
     assert report["sequences"] == {"16": 3}
-    assert bands([1.0] * 4 + [3.0] * 4, 4, [1, 2]) == {"1x": 1.0, "2x": 3.0}
+
+
+@pytest.mark.parametrize("T", [8, 7])
+def test_length_bands_are_the_last_half_of_each_length(T):
+    """loss = target position p: band "kx" is the mean of p over ((k/2) T, k T], cut at the L - 1 = 8T - 1 positions
+    there are; "1x" is (T/2, T], not [1, T]."""
+    per_position = [float(p) for p in range(1, 8 * T)]
+    expected = {f"{k}x": np.mean([p for p in range(1, 8 * T) if k * T / 2 < p <= k * T]) for k in (1, 2, 4, 8)}
+    assert bands(per_position, T, [1, 2, 4, 8]) == pytest.approx(expected)
+    assert bands(per_position, 8, [1])["1x"] == 6.5  # positions 5..8
 
 
 # ---- decode --------------------------------------------------------------------------------------
@@ -212,7 +396,8 @@ def test_eval_py_runs_the_suites(tiny_run, data_cache, tmp_path):
     rows = report["decode"]["rows"]
     assert rows[0]["cache_bytes"] == 2 * 2 * 2 * 16 * 64 * 4 and rows[1]["cache_bytes"] == 2 * rows[0]["cache_bytes"]
     scores = report["scores"]
-    assert {"recall/acc", "recall/acc@128", "recall/answer_logprob", "decode/tokens_per_sec@64",
+    assert {"recall/acc", "recall/acc@128", "recall/answer_logprob", "recall/choice_acc@256", "recall/lift@128",
+            "recall/copy@256", "decode/tokens_per_sec@64",
             "decode/prefill_tokens_per_sec@64", "decode/peak_mem_gb@64", "decode/cache_bytes@64"} <= set(scores)
     assert {f"length/loss_{band}" for band in length["bands"]} <= set(scores) and "length/loss_1x" in scores
     for png in ("length_loss.png", "recall_heatmap.png", "decode.png", "per_position_loss.png"):

@@ -58,6 +58,18 @@ def mean(values) -> float | None:
     return statistics.mean(values) if values else None
 
 
+def points_table(points: list[EvalPoint], columns: list[str], value) -> str | None:
+    """compare.md's table of one row per point with any value: value(report, column) (None where it has none)
+    averaged over the point's reports, "-" where none has it; None when no point has any."""
+    rows = [(p.label, [mean(value(r, c) for r in p.reports) for c in columns]) for p in points]
+    rows = [(label, cells) for label, cells in rows if any(c is not None for c in cells)]
+    if not rows:
+        return None
+    lines = [f"| {'architecture' if points[0].over else 'run'} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 1) + "|"]
+    lines += [f"| {label} | " + " | ".join("-" if c is None else f"{c:.4g}" for c in cells) + " |" for label, cells in rows]
+    return "\n".join(lines)
+
+
 def suite_options_node() -> dict:
     """{suite name: its Options dataclass}: the schema of eval.py's per-suite option nodes."""
     return {name: SUITES.get(name).Options for name in SUITES.names()}

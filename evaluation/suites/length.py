@@ -1,6 +1,7 @@
 """The length suite: the val loss by position at the training length T and at multiples of it, and its
-mean per band of positions (band "1x": positions 1..T; band "kx", k >= 2: ((k/2) T, k T]), so that
-"kx minus 1x" says how the model extrapolates past the length it trained at."""
+mean per band of positions (band "kx": ((k/2) T, k T], the last half of k T; so "1x" is (T/2, T]), so that
+"kx minus 1x" says how the model extrapolates past the length it trained at: every band's positions have at
+least half their length of context, and the early positions' lack of it is in none."""
 import statistics
 import time
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from common.plots import legend_outside, pyplot, save_figure
 from data.types import Split
 from evaluation.context import first_line, positions_up_to, too_long
-from evaluation.suites import SUITES, EvalPoint, Suite, mean
+from evaluation.suites import SUITES, EvalPoint, Suite, points_table
 from model.options import option
 
 FACTORS = (1, 2, 4, 8, 16, 32)
@@ -61,12 +62,11 @@ def position_losses(lm, ids: torch.Tensor, batch_tokens: int, device) -> tuple[t
 
 
 def bands(per_position: list[float], train_seq_len: int, factors: list[int]) -> dict[str, float]:
-    """Mean loss per band of target positions p (1-based, per_position[p - 1]): band "1x" is p in [1, T],
-    band "kx" (k >= 2) is p in ((k/2) T, k T]; each cut at the positions there are (L - 1 of them)."""
+    """Mean loss per band of target positions p (1-based, per_position[p - 1]): band "kx" is p in ((k/2) T, k T]
+    ("1x": (T/2, T]); each cut at the positions there are (L - 1 of them)."""
     out = {}
     for k in sorted(factors):
-        lo, hi = (1, train_seq_len) if k == 1 else (k * train_seq_len // 2 + 1, k * train_seq_len)
-        band = per_position[lo - 1:hi]
+        band = per_position[k * train_seq_len // 2:k * train_seq_len]
         if band:
             out[f"{k}x"] = float(np.mean(band))
     return out
@@ -145,16 +145,9 @@ def loss_by_length(lm, val_at, train_seq_len: int, factors: list[int], sequences
 
 def length_table(points: list[EvalPoint]) -> str | None:
     """The length suite's loss per band (1x, 2x, ... the training length), mean over a point's reports."""
-    rows = [(p, p.blocks("length")) for p in points if p.blocks("length")]
-    bands = sorted({b for _, blocks in rows for block in blocks for b in block.get("bands", {})},
+    bands = sorted({b for p in points for block in p.blocks("length") for b in block.get("bands", {})},
                    key=lambda b: float(b.rstrip("x")))
-    if not bands:
-        return None
-    lines = [f"| {'architecture' if rows[0][0].over else 'run'} | " + " | ".join(bands) + " |", "|---" * (len(bands) + 1) + "|"]
-    for p, blocks in rows:
-        cells = [mean(block.get("bands", {}).get(b) for block in blocks) for b in bands]
-        lines.append(f"| {p.label} | " + " | ".join("-" if c is None else f"{c:.4g}" for c in cells) + " |")
-    return "\n".join(lines)
+    return points_table(points, bands, lambda r, b: (r.get("length") or {}).get("bands", {}).get(b)) if bands else None
 
 
 def length_curve(blocks: list[dict]) -> tuple[int, list[float]] | None:
