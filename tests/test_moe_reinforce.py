@@ -366,3 +366,23 @@ def test_sample_log_prob_sums_the_slots():
     p = logits.softmax(-1)[0]
     got = sample_log_prob(logits, torch.tensor([[2, 0]]))
     assert got.item() == pytest.approx((p[2] * p[0] / (1 - p[2])).log().item(), rel=1e-12)
+
+
+def test_a_checkpoint_without_the_token_table_loads_with_a_fresh_one(tmp_path):
+    """A model saved with another baseline (or before the token table existed), loaded under a config.json whose
+    router_options leave baseline at its default: the table starts at 0 (not uninitialised memory), the saved
+    step count stays, and training runs."""
+    import json
+
+    model = tiny_lm(router_options=dict(baseline="mean"))
+    model.layers[0].ffn.router.steps.fill_(5)
+    model.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["ffn_options"]["moe"]["router_options"] = {}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    loaded = DecoderLM.from_pretrained(tmp_path)
+    r = loaded.layers[0].ffn.router
+    assert r.options.baseline == "token_table" and r.steps.item() == 5
+    assert torch.equal(r.reward_table, torch.zeros(64, dtype=F64)) and torch.equal(r.table_updates, torch.zeros(64, dtype=torch.long))
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(8))
+    assert torch.isfinite(loaded.train()(ids, labels=ids).loss)

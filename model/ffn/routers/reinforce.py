@@ -186,9 +186,12 @@ class Reinforce(ScoredRouter):
         self.pending_step = False  # a training forward since the last optimizer step
 
     def init_parameters(self) -> None:
+        """The weight (ScoredRouter's), the value head 0, and the buffers 0: a checkpoint without them (another
+        baseline's) starts them afresh."""
         super().init_parameters()
-        if self.value is not None:
-            init.zeros_(self.value)
+        for tensor in (self.value, self.steps, getattr(self, "reward_table", None), getattr(self, "table_updates", None)):
+            if tensor is not None:
+                init.zeros_(tensor)
 
     def no_weight_decay(self) -> tuple[str, ...]:
         """The parameters the optimizer does not decay (training/optim.py declared_undecayed)."""
