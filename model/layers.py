@@ -25,26 +25,35 @@ class AuxCollector:
     `add_loss(name, value, coef)`: coef * value is added to the training loss; the unscaled value is
     logged under `name`. `add_metric(name, value)`: logged only (a detached scalar or a vector).
     Values under one name from several layers are averaged for logging; per-layer copies may be
-    reported under their own names too. `on_token_loss(consume)`: a block whose loss needs each token's
-    LM loss (the REINFORCE router) subscribes `consume(aux, token_loss [N], labelled [N])`; the model
-    calls `give_token_loss` once its LM loss is known, before `total_loss`.
+    reported under their own names too. `on_token_loss(consume, with_eval_loss)`: a block whose loss needs
+    each token's LM loss (the REINFORCE router) subscribes `consume(aux, token_loss [N], labelled [N],
+    eval_loss [N] | None)`, eval_loss the same tokens' loss under the model's evaluation forward if any
+    subscriber asked (with_eval_loss); the model calls `give_token_loss` once its LM loss is known,
+    before `total_loss`.
     """
 
     def __init__(self):
         self.losses: dict[str, list[tuple[torch.Tensor, float]]] = {}
         self.metrics: dict[str, list[torch.Tensor]] = {}
         self.token_loss_consumers: list = []
+        self.wants_eval_loss = False
 
-    def on_token_loss(self, consume) -> None:
+    def on_token_loss(self, consume, with_eval_loss: bool = False) -> None:
         self.token_loss_consumers.append(consume)
+        self.wants_eval_loss |= with_eval_loss
 
-    def give_token_loss(self, token_loss, labelled: torch.Tensor) -> None:
+    def give_token_loss(self, token_loss, labelled: torch.Tensor, eval_token_loss=None) -> None:
         """token_loss(): each token's loss [N], computed only if some block subscribed; labelled [N] bool:
-        the tokens that have a label (the loss of the others is not used)."""
-        if self.token_loss_consumers:
-            loss = token_loss().detach()
-            for consume in self.token_loss_consumers:
-                consume(self, loss, labelled)
+        the tokens that have a label (the loss of the others is not used); eval_token_loss(): each token's
+        loss [N] under the evaluation forward (no grad), computed only if some subscriber asked for it."""
+        if not self.token_loss_consumers:
+            return
+        if self.wants_eval_loss and eval_token_loss is None:
+            raise ValueError("a block needs each token's loss under the evaluation forward, and this forward gives none")
+        loss = token_loss().detach()
+        eval_loss = eval_token_loss().detach() if self.wants_eval_loss else None
+        for consume in self.token_loss_consumers:
+            consume(self, loss, labelled, eval_loss)
 
     def add_loss(self, name: str, value: torch.Tensor, coef: float) -> None:
         self.losses.setdefault(name, []).append((value, coef))

@@ -165,16 +165,9 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
                 f"sequence length {offset + T} exceeds max_position_embeddings={self.config.max_position_embeddings}"
             )
         aux = AuxCollector()
-        x = self.embed_tokens(input_ids)
-        for i, block in enumerate(self.layers):
-            cache = None
-            if past_key_values is not None:
-                cache = past_key_values.layers[i]
-                cache["offset"] = offset
-            x = block(x, cache, aux, segments, input_ids)
+        x = self.hidden_states(input_ids, aux, segments, past_key_values, offset)
         if past_key_values is not None:
             past_key_values.seen_tokens = offset + T
-        x = self.norm(x)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         logits = self.lm_head(x)
@@ -187,13 +180,39 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
             flat = at_least_fp32(logits.flatten(0, 1))
             lm_loss = F.cross_entropy(flat, targets, ignore_index=-100)
             aux.give_token_loss(lambda: F.cross_entropy(flat.detach(), targets, ignore_index=-100, reduction="none"),
-                                targets != -100)
+                                targets != -100, lambda: self.eval_token_loss(input_ids, segments, targets))
             aux_loss = aux.total_loss()
             loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         return LMOutput(
             loss=loss, logits=logits, past_key_values=past_key_values,
             lm_loss=lm_loss, aux_loss=aux_loss, aux_metrics=aux.summary(),
         )
+
+    def hidden_states(self, input_ids: torch.Tensor, aux: AuxCollector | None, segments: DocumentSegments | None,
+                      past_key_values: DecodeCache | None = None, offset: int = 0) -> torch.Tensor:
+        """The embedding, the blocks and the final norm: [B, T, d] before lm_head."""
+        x = self.embed_tokens(input_ids)
+        for i, block in enumerate(self.layers):
+            cache = None
+            if past_key_values is not None:
+                cache = past_key_values.layers[i]
+                cache["offset"] = offset
+            x = block(x, cache, aux, segments, input_ids)
+        return self.norm(x)
+
+    @torch.no_grad()
+    def eval_token_loss(self, input_ids: torch.Tensor, segments: DocumentSegments | None,
+                        targets: torch.Tensor) -> torch.Tensor:
+        """Each token's loss [B T] (no grad) when the same batch goes through the model in evaluation
+        mode (router=reinforce routing greedily, as evaluation and decoding do): the self-critical
+        baseline's reward. The blocks in sequence as in forward, without re-entering forward."""
+        was_training = self.training
+        self.train(False)
+        try:
+            logits = self.lm_head(self.hidden_states(input_ids, None, segments))
+        finally:
+            self.train(was_training)
+        return F.cross_entropy(at_least_fp32(logits.flatten(0, 1)), targets, ignore_index=-100, reduction="none")
 
     # accounting ------------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int, device) -> float:

@@ -25,7 +25,8 @@ EXTRA = {
     "topk": dict(router_options=dict(max_groups_per_token=1), aux_free_bias=True, **LOSSES),
     "expert_choice": dict(router_options=dict(capacity_factor=0.75), **LOSSES),
     "hash": dict(),  # no router scores, so no balance losses
-    "reinforce": dict(aux_free_bias=True, router_options=dict(baseline="value", entropy_coef=0.01), **LOSSES),
+    "reinforce": dict(aux_free_bias=True, router_options=dict(entropy_coef=0.01, policy="set", temperature_start=2.0,
+                                                           temperature_end=1.0, temperature_steps=2), **LOSSES),
 }
 ROUTERS = {name: EXTRA.get(name, LOSSES) for name in REGISTERED.names()}
 SHAPE = dict(num_experts=4, top_k=2, expert_intermediate_size=16, num_expert_groups=2)

@@ -1,9 +1,9 @@
 """2-process DDP (gloo, `accelerate launch` as tests/test_distributed.py) equals 1 process with
 gradient accumulation for every MoE router, through train.py's own train_step: the same losses, the
 same aux metrics (the group and expert loads, the balance losses, unrouted_frac, token_choice_overlap, the REINFORCE
-router's reward, baseline and share of sampled routes:
+router's reward, baseline, temperature and share of sampled routes:
 means over both processes' micro-batches, not rank 0's own) and the same final weights (router,
-experts, the aux-free bias from loads all-reduced over ranks). Each launch trains every router
+experts, the aux-free bias from loads and the REINFORCE token table from rewards all-reduced over ranks). Each launch trains every router
 (tests/moe_routers_ddp_worker.py) and reports the process count that ran."""
 import json
 import os
@@ -56,5 +56,6 @@ def test_ddp_equals_accumulation_for_every_router(tmp_path):
     assert any(topk["weights"]["expert_bias"])  # the aux-free bias moved
     assert one["routers"]["expert_choice"]["steps"][0]["moe/unrouted_frac"] > 0  # capacity 0.75 leaves tokens out
     reinforce = one["routers"]["reinforce"]  # sampled, seeded per token: the same draws either way
-    assert reinforce["steps"][0]["moe/resampled_frac"] > 0 and any(reinforce["weights"]["router.value"])
+    assert reinforce["steps"][0]["moe/resampled_frac"] > 0 and any(reinforce["weights"]["router.reward_table"])
+    assert [s["moe/temperature"] for s in reinforce["steps"]] == pytest.approx([2.0, 2 ** 0.5, 1.0])
     assert reinforce["weights"]["router.steps"] == 3 and any(reinforce["weights"]["expert_bias"])

@@ -12,15 +12,29 @@ SCHEDULES = ("cosine", "wsd", "constant")
 NO_DECAY_NAMES = ("A_log", "dt_bias", "D")
 
 
-def param_groups(named_params, weight_decay: float) -> list[dict]:
-    """Decay only weight matrices: no decay on norms, biases, embeddings (tied lm_head included)
-    and the gate parameters A_log / dt_bias / D."""
-    decay, no_decay = [], []
-    for name, p in named_params:
-        skip = p.ndim < 2 or "embed_tokens" in name or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES
-        (no_decay if skip else decay).append(p)
+def param_groups(named_params, weight_decay: float, undecayed: frozenset[str] = frozenset()) -> list[dict]:
+    """Decay only weight matrices: no decay on norms, biases, embeddings (tied lm_head included),
+    the gate parameters A_log / dt_bias / D and the parameters their block declares (`undecayed`,
+    declared_undecayed)."""
+    skip = {name for name, p in named_params
+            if p.ndim < 2 or "embed_tokens" in name or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES}
+    return decay_groups(named_params, weight_decay, skip | undecayed)
+
+
+def decay_groups(named_params, weight_decay: float, undecayed: set[str]) -> list[dict]:
+    """The parameters in two groups, decayed at weight_decay and (the names in `undecayed`) at 0."""
+    decay = [p for name, p in named_params if name not in undecayed]
+    no_decay = [p for name, p in named_params if name in undecayed]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]  # no empty group: DCP's optimizer state dict refuses them
+
+
+def declared_undecayed(model: nn.Module) -> frozenset[str]:
+    """The names of the parameters a module declares free of weight decay: a module may define
+    `no_weight_decay()`, the names of its own parameters that take none (as the reinforce router's
+    weight, whose decay would flatten the policy it samples from), with either optimizer."""
+    return frozenset(f"{module_name}.{name}" if module_name else name for module_name, module in model.named_modules()
+                     if hasattr(module, "no_weight_decay") for name in module.no_weight_decay())
 
 
 def muon_split(model: nn.Module) -> tuple[list, list, list]:
@@ -71,9 +85,10 @@ class Muon(torch.optim.Muon):
     support are many times slower than float32, it is the same update with Newton-Schulz in float32."""
 
     def __init__(self, matrices: list, stacked: list, **options):
-        super().__init__([{"params": matrices}], **options)
-        if stacked:
-            self.add_param_group({"params": stacked})
+        """matrices, stacked: parameters, or param groups (dicts) of them."""
+        super().__init__(matrices, **options)
+        for group in stacked if stacked and isinstance(stacked[0], dict) else [{"params": stacked}] if stacked else []:
+            self.add_param_group(group)
 
     def _init_group(self, group, params_with_grad, grads, muon_momentum_bufs):
         start = len(params_with_grad)
@@ -154,9 +169,10 @@ def torch_optimizers(optimizer: torch.optim.Optimizer) -> list[torch.optim.Optim
 
 def build_optimizer(model: nn.Module, cfg, lr: float, distributed_type=DistributedType.NO) -> torch.optim.Optimizer:
     """cfg: the optimizer group (configs/optimizer/). One lr for every part: trainer.lr."""
+    undecayed = declared_undecayed(model)
     if cfg.name == "adamw":
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        return torch.optim.AdamW(param_groups(trainable, cfg.weight_decay), lr=lr, betas=tuple(cfg.betas),
+        return torch.optim.AdamW(param_groups(trainable, cfg.weight_decay, undecayed), lr=lr, betas=tuple(cfg.betas),
                                  eps=1e-8, fused=None)
     if cfg.name != "muon":
         raise ValueError(f"unknown optimizer {cfg.name!r}; valid: {', '.join(OPTIMIZERS)}")
@@ -166,9 +182,10 @@ def build_optimizer(model: nn.Module, cfg, lr: float, distributed_type=Distribut
     matrices, stacked, rest = muon_split(model)
     # adjust_lr_fn="match_rms_adamw" (Moonlight, arXiv:2502.16982): lr x 0.2 sqrt(max(m, n)) per
     # matrix gives the update AdamW's RMS, so Muon shares AdamW's lr and weight decay.
-    muon = Muon([p for _, p in matrices], [p for _, p in stacked], lr=lr, weight_decay=cfg.weight_decay,
-                momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps, adjust_lr_fn="match_rms_adamw")
-    adamw = torch.optim.AdamW(param_groups(rest, cfg.weight_decay), lr=lr, betas=tuple(cfg.betas), eps=1e-8, fused=None)
+    muon = Muon(decay_groups(matrices, cfg.weight_decay, undecayed), decay_groups(stacked, cfg.weight_decay, undecayed),
+                lr=lr, weight_decay=cfg.weight_decay, momentum=cfg.momentum, nesterov=cfg.nesterov, ns_steps=cfg.ns_steps,
+                adjust_lr_fn="match_rms_adamw")
+    adamw = torch.optim.AdamW(param_groups(rest, cfg.weight_decay, undecayed), lr=lr, betas=tuple(cfg.betas), eps=1e-8, fused=None)
     return CombinedOptimizer([muon, adamw])
 
 

@@ -30,7 +30,8 @@ f = shares of the router's assignments (before capacity), P = mean_t p:
   L_dev = G sum_g f'_g P'_g, f'_g, P'_g the sums of f, P over group g; 1 when the groups are balanced.
 - Group-limited routing (the router option max_groups_per_token, DeepSeek-V3 node-limited routing):
   token choice picks its experts from at most M groups (model/ffn/routers/routing.py).
-- Router z-loss (ST-MoE)  L_z = mean_t (logsumexp_i logits_{t,i})^2.
+- Router z-loss (ST-MoE)  L_z = mean_t (logsumexp_i logits_{t,i})^2; logged only for a router that
+  declares takes_z_loss = False (reinforce by default: its logits are the policy's sharpness).
 - Auxiliary-loss-free balancing (DeepSeek-V3; the routers that take a selection bias: topk, reinforce):
   per-expert selection counts are accumulated over the training forwards of one optimizer step;
   after_optimizer_step() sums them over ranks and sets b_i += gamma sign(mean_j load_j - load_i), then
@@ -140,7 +141,8 @@ class MoE(nn.Module):
         self.layer_idx = layer_idx
         self.num_experts, self.top_k, self.num_groups = E, k, G
         self.num_shared = opts.num_shared_experts
-        self.balance_loss_coef, self.z_loss_coef = opts.balance_loss_coef, opts.z_loss_coef
+        self.balance_loss_coef = opts.balance_loss_coef
+        self.z_loss_coef = opts.z_loss_coef if router.takes_z_loss else 0.0  # a router may keep its logits off it
         self.sequence_balance_loss_coef, self.group_balance_loss_coef = opts.sequence_balance_loss_coef, opts.group_balance_loss_coef
         self.aux_free_bias, self.bias_update_rate = opts.aux_free_bias, opts.bias_update_rate
         self.capacity_factor = opts.capacity_factor

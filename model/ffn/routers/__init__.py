@@ -23,10 +23,13 @@ Interface (the MoE in model/ffn/moe.py owns the dispatch, capacity, the balance 
 
     optional:
         takes_selection_bias = True           # it uses selection_bias (the MoE refuses aux_free_bias otherwise)
+        takes_z_loss = False                  # the MoE's z-loss only logged, not weighed in (reinforce, by default)
+        no_weight_decay() -> tuple[str, ...]  # its parameters the optimizer does not decay (training/optim.py)
         causal = False + route_batch_at_eval(enabled)  # BatchRouter: training routing over the batch, token
                                               # choice at evaluation unless enabled (batch_routing_at_eval)
-        aux.on_token_loss(consume)            # in forward: consume(aux, token_loss [N], labelled [N]) once the
-                                              # model knows each token's LM loss (reinforce)
+        aux.on_token_loss(consume, with_eval_loss)  # in forward: consume(aux, token_loss [N], labelled [N],
+                                              # eval_loss [N] | None) once the model knows each token's LM loss
+                                              # (reinforce; eval_loss: under the evaluation forward, if asked)
         after_optimizer_step()                # called after every optimizer step (training/loop.py), as for any module
 
 The router reads `self.training`: training and evaluation routing differ for the routers that are not

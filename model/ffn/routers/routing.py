@@ -48,6 +48,7 @@ class Router(nn.Module):
     """What the MoE may ask of any router besides forward, init_parameters and flops_per_token."""
     causal = True                 # a token's training experts depend on that token alone (else: BatchRouter)
     takes_selection_bias = False  # forward adds selection_bias (the MoE's aux-free bias) to its choice
+    takes_z_loss = True           # the MoE's z-loss (z_loss_coef) applies to its logits (else: logged only)
 
     def experts_per_token(self) -> float:
         """Mean experts a token runs through in training (the MoE's FLOPs)."""
