@@ -203,9 +203,8 @@ def main(argv=None) -> int:
         sys.exit(f"error: unknown --variants {bad[0]!r}; valid: {', '.join(VARIANTS)}")
     lrs, seeds = [float(v) for v in args.lrs.split(",")], [int(v) for v in args.seeds.split(",")]
     base = {"steps": args.steps, "eval_every": args.eval_every, "max_documents": args.max_documents}
-    jobs = [{"impl": "ours", "variant": v, "lr": lr, "seed": s, **base} for s in seeds for lr in lrs for v in variants]
-    if not args.no_reference:
-        jobs += [{"impl": REFERENCE, "variant": "own", "lr": lr, "seed": s, **base} for s in seeds for lr in lrs]
+    sides = [("ours", v) for v in variants] + ([] if args.no_reference else [(REFERENCE, "own")])
+    jobs = [{"impl": impl, "variant": v, "lr": lr, "seed": s, **base} for s in seeds for lr in lrs for impl, v in sides]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
