@@ -355,13 +355,15 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     return o, {"A": A, "k_sum": k_sum[:, -1], "v_sum": v_sum[:, -1], "t": t0 + T}
 
 
-def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, chunk_size: int = CHUNK_SIZE) -> float:
+def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, chunk_size: int = CHUNK_SIZE,
+                            per_channel: bool = False) -> float:
     """Forward FLOPs per token per head of chunk_gated_delta_rule as implemented (2 per multiply-add):
     k k^T and q k^T (C K each), the unit-triangular inverse (C^2 / 6), [u | w] = inv [beta v | beta k e^G]
     (C (K + V)), w S and kd^T vnew in the state recursion (2 K V), q S (K V) and the intra-chunk
-    product (C V)."""
+    product (C V). A decay per key channel (per_channel) multiplies each term of k k^T and q k^T by its
+    Gamma_ijd too (2 C K)."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
-    return 2.0 * (2 * C * K + C * C / 6 + C * (K + V) + 3 * K * V + C * V)
+    return 2.0 * (2 * C * K + C * C / 6 + C * (K + V) + 3 * K * V + C * V) + (2 * C * K if per_channel else 0)
 
 
 # ---- naive references: the recurrences token by token, straight from the formulas (the tests' oracles, float64)
