@@ -25,6 +25,10 @@ class DeltaNet(DeltaRuleBlock):
         super().__init__(config, layer_idx, "deltanet", config.options_for_mixer("deltanet", DeltaRuleOptions))
         self.o_norm = RMSNorm(self.head_v_dim, config.rms_norm_eps)
 
+    def init_parameters(self) -> None:
+        self.init_projections(self.q_proj, self.k_proj, self.v_proj, self.b_proj)
+        self.init_convs_and_output()
+
     def decay(self, x):
         return None
 

@@ -60,7 +60,8 @@ class GDNOptions(DeltaRuleOptions):
 class DeltaRuleBlock(nn.Module):
     """What the delta-rule mixers share: q, k, v through short convs (q, k L2-normalised per head), beta, the
     delta rule (chunked in training and prefill, per token when decoding one token, restarted at each document),
-    the per-head output norm and W_o. A subclass builds its decay and its output norm and gives
+    the per-head output norm and W_o. A subclass builds its decay and its output norm, initialises them
+    beside init_projections / init_convs_and_output in its init_parameters, and gives
     decay(x) -> g (None, [B, T, Hv] or [B, T, Hv, d_k]: model/ops/gated_delta.py) and
     normalize(o [B, T, Hv, d_v], x) -> the normed (and gated) o."""
 
@@ -91,9 +92,12 @@ class DeltaRuleBlock(nn.Module):
         self.o_proj = nn.Linear(self.value_dim, d, bias=False)
         self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
 
-    def init_parameters(self) -> None:
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.b_proj):
+    def init_projections(self, *projections: nn.Linear) -> None:
+        """The input projections, in the subclass's order (so that one seed gives one init): N(0, initializer_range)."""
+        for proj in projections:
             init.normal_(proj.weight, mean=0.0, std=self.init_std)
+
+    def init_convs_and_output(self) -> None:
         for conv in (self.q_conv, self.k_conv, self.v_conv):  # depthwise: fan_in = kernel size
             init_fan_in_uniform_(conv.conv.weight, self.conv_size)
         init.normal_(self.o_proj.weight, mean=0.0, std=self.init_std * self.residual_scale)
@@ -151,9 +155,8 @@ class GatedDeltaNet(DeltaRuleBlock):
         self.o_norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, norm_before_gate=True)
 
     def init_parameters(self) -> None:
-        super().init_parameters()
-        for proj in (self.a_proj, self.g_proj):
-            init.normal_(proj.weight, mean=0.0, std=self.init_std)
+        self.init_projections(self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
+        self.init_convs_and_output()
         init_A_log_(self.A_log, 0.0, 16.0)
         init_dt_bias_(self.dt_bias)
 

@@ -57,9 +57,8 @@ class KimiDeltaAttention(DeltaRuleBlock):
         self.o_norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, norm_before_gate=True, activation="sigmoid")
 
     def init_parameters(self) -> None:
-        super().init_parameters()
-        for proj in (*self.f_proj, *self.g_proj):
-            init.normal_(proj.weight, mean=0.0, std=self.init_std)
+        self.init_projections(self.q_proj, self.k_proj, self.v_proj, self.b_proj, *self.f_proj, *self.g_proj)
+        self.init_convs_and_output()
         init.zeros_(self.g_proj[1].bias)
         if self.lower_bound is None:
             init_A_log_(self.A_log, 1.0, 16.0)
