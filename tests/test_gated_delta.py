@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model.ops.gated_delta as gated_delta
 from conftest import assert_bf16_rounding_of
 from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
                                    naive_derived_gated_delta, naive_gated_delta)
@@ -28,7 +29,7 @@ def make_inputs(B=2, T=37, H=3, K=8, V=6, dtype=f64, seed=0, decay="per_head", m
 @pytest.mark.parametrize("max_beta", [1.0, 2.0])
 @pytest.mark.parametrize("decay", DECAYS)
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("chunk_size", [16, 64])
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])  # per channel: one sub-block, two, and 37 of one token
 def test_chunk_matches_recurrence(with_state, chunk_size, decay, max_beta):
     q, k, v, g, beta, h0 = make_inputs(decay=decay, max_beta=max_beta)  # T = 37: not a multiple of the chunk
     h0 = h0 if with_state else None
@@ -39,6 +40,27 @@ def test_chunk_matches_recurrence(with_state, chunk_size, decay, max_beta):
     torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
     o, h = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=h0, chunk_size=chunk_size)
     assert h is None
+
+
+@pytest.mark.parametrize("C, block", [(16, 16), (16, 4), (12, 8), (7, 16)])  # one sub-block, four, three (4 | 12), 7
+def test_decayed_products_match_the_direct_sum(C, block, monkeypatch):
+    """The per-channel intra-chunk products, P_ij = sum_d a_id b_jd exp(G_id - G_jd) (i >= j), and their gradients,
+    against the direct sum over channels; with a decay strong enough that exp(-G) would overflow in float64."""
+    monkeypatch.setattr(gated_delta, "SUB_BLOCK", block)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(2, 3, C, 5, generator=gen, dtype=f64).requires_grad_() for _ in range(2))
+    g = F.logsigmoid(torch.randn(2, 3, C, 5, generator=gen, dtype=f64))
+    g[..., 0] = -200.0  # G reaches -200 C: exp(G_r - G_j) with r > j is 0, never exp(+200 C)
+    G = g.cumsum(-2).requires_grad_()
+    got = gated_delta._decayed_products(a, b, G)
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    gamma = torch.where(lower[..., None], G[..., :, None, :] - G[..., None, :, :], float("-inf")).exp()
+    want = (a[..., :, None, :] * gamma * b[..., None, :, :]).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    w = torch.randn(want.shape, generator=gen, dtype=f64)
+    for x, y in zip(torch.autograd.grad((got * w).sum(), (a, b, G)), torch.autograd.grad((want * w).sum(), (a, b, G))):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
 
 
 def test_decay_forms_differ():
@@ -70,7 +92,8 @@ def test_strong_decay_is_stable(decay):
 @pytest.mark.parametrize("decay, max_beta", [("per_head", 1.0), ("per_channel", 1.0), ("none", 1.0),
                                              ("per_channel", 2.0), ("none", 2.0)])
 @pytest.mark.parametrize("T", [21, 24])  # a partial last chunk of 8, and whole chunks only
-def test_gradients_match_recurrence(T, decay, max_beta):
+def test_gradients_match_recurrence(T, decay, max_beta, monkeypatch):
+    monkeypatch.setattr(gated_delta, "SUB_BLOCK", 4)
     q, k, v, g, beta, h0 = make_inputs(T=T, decay=decay, max_beta=max_beta)
     names, inputs = zip(*((n, x.requires_grad_()) for n, x in zip("q k v g beta h0".split(), (q, k, v, g, beta, h0))
                           if x is not None))
@@ -83,7 +106,7 @@ def test_gradients_match_recurrence(T, decay, max_beta):
 
     ref = torch.autograd.grad(loss(lambda *a, initial_state, output_final_state: naive_gated_delta(*a, h=initial_state)),
                               inputs)
-    got = torch.autograd.grad(loss(chunk_gated_delta_rule, chunk_size=8), inputs)
+    got = torch.autograd.grad(loss(chunk_gated_delta_rule, chunk_size=8), inputs)  # per channel: 2 sub-blocks of 4
     for name, a, b in zip(names, got, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"grad {name}")
 

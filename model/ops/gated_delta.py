@@ -24,6 +24,7 @@ from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, 
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
+SUB_BLOCK = 16  # a per-channel decay's exact pairs (_decayed_products): sub-blocks of up to this many tokens
 # fla's (module, chunked kernel, recurrent kernel) per decay form; each takes (q, k, v, [g=,] beta=, ...)
 KERNELS = {"none": ("fla.ops.delta_rule", "chunk_delta_rule", "fused_recurrent_delta_rule"),
            "per_head": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
@@ -217,21 +218,18 @@ class _ChunkedGatedDelta(torch.autograd.Function):
 def _chunked_per_channel(q, k, v, g, beta, S0, scale, C, resets, ends):
     """_ChunkedGatedDelta's forward for a decay per key channel, g [B, T, H, K] (same arguments and returns),
     in differentiable ops: autograd gives the backward. Gamma_ijd = exp(G_id - G_jd) is built per channel for
-    i >= j only (-inf above the diagonal before the exp), so no exponent is positive however strong the decay;
-    it costs C K numbers per token where the scalar decay's costs C."""
+    i >= j only, by sub-blocks (_decayed_products), so no exponent is positive however strong the decay."""
     T = k.shape[1]
     q, k, v, G, beta = (_differentiable_chunks(x, C) for x in (q, k, v, g, beta))  # [N, B, H, C, *]
     G = G.cumsum(-2)
     N, B, H, _, K = k.shape
     V = v.shape[-1]
-    above = torch.ones(C, C, dtype=torch.bool, device=q.device).triu(1)[..., None]
-    gamma = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(above, float("-inf")).exp()  # [N, B, H, C, C, K]
     eG, ed = G.exp(), (G[..., -1:, :] - G).exp()
     if resets is not None:
         eG = eG.masked_fill(resets.view(N, 1, 1, 1, 1), 0.0)
     kb = k * beta[..., None]
-    akk = torch.einsum("...id,...ijd,...jd->...ij", kb, gamma, k).tril(-1)
-    aqk = torch.einsum("...id,...ijd,...jd->...ij", q, gamma, k)  # lower triangle: gamma is 0 above it
+    akk = _decayed_products(kb, k, G).tril(-1)
+    aqk = _decayed_products(q, k, G)
     eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
     inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)
     u, w = inv @ (v * beta[..., None]), inv @ (kb * eG)
@@ -245,6 +243,29 @@ def _chunked_per_channel(q, k, v, g, beta, S0, scale, C, resets, ends):
     o = torch.stack(outs) * scale
     final = states[-1] if ends is None else torch.stack(states)[ends]
     return o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T], final
+
+
+def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """P_ij = sum_d a_id b_jd exp(G_id - G_jd) for i >= j, 0 above the diagonal; a, b, G [..., C, d_k], G the
+    cumulative log decay (non-increasing in i). With only non-positive exponents: the chunk is cut into sub-blocks
+    of `block` tokens; a pair in different sub-blocks factors through r, the first token of i's sub-block
+    (j < r <= i), as (a_i exp(G_i - G_r)) . (b_j exp(G_r - G_j)), a matmul; a pair inside one sub-block takes
+    exp(G_i - G_j) per channel (block^2 d_k numbers per sub-block). block: the largest divisor of C up to
+    SUB_BLOCK."""
+    C, K = G.shape[-2:]
+    c = next(c for c in range(min(SUB_BLOCK, C), 0, -1) if C % c == 0)
+    nb = C // c
+    Gb = G.unflatten(-2, (nb, c))
+    ref = Gb[..., :1, :]  # [..., nb, 1, K]
+    a_ref = a.unflatten(-2, (nb, c)) * (Gb - ref).exp()
+    earlier = torch.arange(C, device=G.device) < torch.arange(0, C, c, device=G.device)[:, None]  # [nb, C]: j < r
+    b_ref = b[..., None, :, :] * (ref - G[..., None, :, :]).masked_fill(~earlier[..., None], float("-inf")).exp()
+    out = a_ref @ b_ref.transpose(-1, -2)  # [..., nb, c, C]: the pairs across sub-blocks
+    above = torch.ones(c, c, dtype=torch.bool, device=G.device).triu(1)[..., None]
+    gamma = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(above, float("-inf")).exp()  # [..., nb, c, c, K]
+    within = torch.einsum("...id,...ijd,...jd->...ij", a.unflatten(-2, (nb, c)), gamma, b.unflatten(-2, (nb, c)))
+    out.unflatten(-1, (nb, c)).diagonal(dim1=-4, dim2=-2).add_(within.movedim(-3, -1))
+    return out.flatten(-3, -2)
 
 
 def _differentiable_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
