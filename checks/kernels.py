@@ -118,7 +118,7 @@ def kernel_cases() -> list[tuple]:
              GDN, "fused_recurrent_gated_delta_rule", bf16),
             (f"deltanet chunk packed {p}", op_gdn_chunk,
              packed(gdn_inputs(T, B=1, state=False, decay="none", max_beta=2.0, **shapes["deltanet"])), delta_grads,
-             DELTA, "chunk_delta_rule", bf16),
+             GDN, "chunk_gated_delta_rule", bf16),  # with g = 0: fla's chunk_delta_rule refuses fp32
             (f"deltanet recurrent one step {p}", op_gdn_recurrent, gdn_inputs(1, decay="none", **shapes["deltanet"]), (),
              DELTA, "fused_recurrent_delta_rule", bf16),
             (f"kda chunk packed {p}", op_gdn_chunk,

@@ -12,7 +12,8 @@ into (-1, 0): Grazzi et al. 2025's negative eigenvalues).
 
 Layouts follow fla: q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H], state [B, H, K, V].
 All arithmetic is in fp32 (fp64 for fp64 inputs); outputs are cast back to the input dtype, states
-stay in the compute dtype. On CUDA tensors the fla kernels are used when fla imports (KERNELS).
+stay in the compute dtype. On CUDA tensors the fla kernels are used when fla imports (CHUNK_KERNELS,
+RECURRENT_KERNELS).
 cu_seqlens (fla's convention, model/ops/varlen.py): q.. of batch 1 hold several sequences, the state
 restarting from zero at each; final states are then [N, H, K, V], one per sequence.
 """
@@ -25,10 +26,14 @@ from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
 SUB_BLOCK = 16  # a per-channel decay's exact pairs (_decayed_products): sub-blocks of up to this many tokens
-# fla's (module, chunked kernel, recurrent kernel) per decay form; each takes (q, k, v, [g=,] beta=, ...)
-KERNELS = {"none": ("fla.ops.delta_rule", "chunk_delta_rule", "fused_recurrent_delta_rule"),
-           "per_head": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
-           "per_channel": ("fla.ops.kda", "chunk_kda", "fused_recurrent_kda")}
+# fla's kernels (module, function) per decay form. DeltaNet's chunked form runs fla's GDN kernel with g = 0:
+# fla's chunk_delta_rule refuses float32 inputs (an assert), which fp32 runs and the checks hand it.
+CHUNK_KERNELS = {"none": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                 "per_head": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                 "per_channel": ("fla.ops.kda", "chunk_kda")}
+RECURRENT_KERNELS = {"none": ("fla.ops.delta_rule", "fused_recurrent_delta_rule"),
+                     "per_head": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+                     "per_channel": ("fla.ops.kda", "fused_recurrent_kda")}
 
 
 def decay_form(k: torch.Tensor, g: torch.Tensor | None) -> str:
@@ -39,15 +44,6 @@ def decay_form(k: torch.Tensor, g: torch.Tensor | None) -> str:
         return "per_head" if g.dim() == 3 else "per_channel"
     raise ValueError(f"g of shape {tuple(g.shape)}; valid: None, {tuple(k.shape[:3])} (per head) or "
                      f"{tuple(k.shape)} (per key channel)")
-
-
-def _kernel_call(form: str, which: int, q, k, v, g, beta, **kwargs):
-    """fla's chunked (which=1) or recurrent (which=2) kernel for this decay form called on (q, k, v, g, beta),
-    or None when q is not on a kernel device or fla does not import."""
-    kernel = optional_kernel(KERNELS[form][0], KERNELS[form][which], q)
-    if kernel is None:
-        return None
-    return kernel(q, k, v, beta=beta, **({} if g is None else {"g": g}), **kwargs)
 
 
 @own_precision
@@ -69,10 +65,11 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     there).
     """
     form = decay_form(k, g)
-    fla_out = _kernel_call(form, 1, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    if fla_out is not None:
-        return fla_out
+    fla_chunk = optional_kernel(*CHUNK_KERNELS[form], q)
+    if fla_chunk is not None:
+        g = q.new_zeros(q.shape[:3], dtype=torch.float32) if g is None else g
+        return fla_chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+                         output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtype, cd = v.dtype, accumulation_dtype(v.dtype)
@@ -281,10 +278,11 @@ def _differentiable_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                      output_final_state=False, cu_seqlens=None):
     """The per-token recurrence (for decoding, T small); same arguments and returns as the chunked form."""
-    fla_out = _kernel_call(decay_form(k, g), 2, q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                           output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    if fla_out is not None:
-        return fla_out
+    fla_rec = optional_kernel(*RECURRENT_KERNELS[decay_form(k, g)], q)
+    if fla_rec is not None:
+        # keywords: fla's GDN signature is (q, k, v, g, gk, gv, beta, ...); DeltaNet's has no g
+        return fla_rec(q, k, v, beta=beta, **({} if g is None else {"g": g}), scale=scale, initial_state=initial_state,
+                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if cu_seqlens is not None:
         check_packed(q, cu_seqlens, initial_state)
         bounds = cu_seqlens.tolist()
