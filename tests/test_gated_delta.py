@@ -29,7 +29,7 @@ def make_inputs(B=2, T=37, H=3, K=8, V=6, dtype=f64, seed=0, decay="per_head", m
 @pytest.mark.parametrize("max_beta", [1.0, 2.0])
 @pytest.mark.parametrize("decay", DECAYS)
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("chunk_size", [16, 32, 64])  # per channel: one sub-block, two, and 37 of one token
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])  # per channel: 2 sub-blocks of 8, 4, and 37 of one token
 def test_chunk_matches_recurrence(with_state, chunk_size, decay, max_beta):
     q, k, v, g, beta, h0 = make_inputs(decay=decay, max_beta=max_beta)  # T = 37: not a multiple of the chunk
     h0 = h0 if with_state else None

@@ -25,7 +25,7 @@ from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, 
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
-SUB_BLOCK = 16  # a per-channel decay's exact pairs (_decayed_products): sub-blocks of up to this many tokens
+SUB_BLOCK = 8  # a per-channel decay's exact pairs (_decayed_products): sub-blocks of up to this many tokens
 # fla's kernels (module, function) per decay form. DeltaNet's chunked form runs fla's GDN kernel with g = 0:
 # fla's chunk_delta_rule refuses float32 inputs (an assert), which fp32 runs and the checks hand it.
 CHUNK_KERNELS = {"none": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
