@@ -15,11 +15,18 @@ def _randn(seed: int, **shapes) -> dict:
     return {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
 
 
-def gdn_inputs(T: int, seed: int = 0, B=2, H=4, K=64, V=128, state=True) -> dict:
-    x = _randn(seed, q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), g=(B, T, H), beta=(B, T, H), initial_state=(B, H, K, V))
+def gdn_inputs(T: int, seed: int = 0, B=2, H=4, K=64, V=128, state=True, decay="per_head", max_beta=1.0) -> dict:
+    """The delta rule's inputs; decay: "per_head" (GDN: g [B, T, H]), "per_channel" (KDA: g [B, T, H, K]) or
+    "none" (DeltaNet: no g); max_beta=2: beta in (0, 2), as allow_neg_eigval gives."""
+    x = _randn(seed, q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), g=(B, T, H, K), beta=(B, T, H),
+               initial_state=(B, H, K, V))
     x["q"], x["k"] = F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1)
-    x["g"], x["beta"] = F.logsigmoid(x["g"] + 3), x["beta"].sigmoid()
+    x["g"], x["beta"] = F.logsigmoid(x["g"] + 3), max_beta * x["beta"].sigmoid()
     x["initial_state"] = 0.1 * x["initial_state"] if state else None
+    if decay == "per_head":
+        x["g"] = x["g"][..., 0].contiguous()
+    elif decay == "none":
+        del x["g"]
     return x
 
 
@@ -80,7 +87,7 @@ def compare_runs(name: str, got: dict, want: dict, bf16: bool = False) -> list[s
     return [line for key in want if (line := mismatch(f"{name} {key}", got[key], want[key], grad if key.startswith("d") else fwd))]
 
 
-def op_gdn_chunk(q, k, v, g, beta, initial_state=None, cu_seqlens=None):
+def op_gdn_chunk(q, k, v, beta, g=None, initial_state=None, cu_seqlens=None):
     from model.ops.gated_delta import chunk_gated_delta_rule
 
     o, S = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
@@ -88,7 +95,7 @@ def op_gdn_chunk(q, k, v, g, beta, initial_state=None, cu_seqlens=None):
     return {"o": o, "state": S}
 
 
-def op_gdn_recurrent(q, k, v, g, beta, initial_state=None, cu_seqlens=None):
+def op_gdn_recurrent(q, k, v, beta, g=None, initial_state=None, cu_seqlens=None):
     from model.ops.gated_delta import fused_recurrent_gated_delta_rule
 
     o, S = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,

@@ -85,9 +85,10 @@ def kernel_shapes() -> dict:
     from model import MIXERS
 
     with torch.device("meta"):
-        gdn, derived, linear, mamba2 = (MIXERS.get(m)(training_model_config(m), 0)
-                                        for m in ("gdn", "derived_gdn", "linear", "mamba2"))
-    return {"gdn": dict(H=gdn.num_v_heads, K=gdn.head_dim, V=gdn.head_v_dim),  # q, k repeated to the value heads
+        gdn, deltanet, kda, derived, linear, mamba2 = (MIXERS.get(m)(training_model_config(m), 0) for m in (
+            "gdn", "deltanet", "kda", "derived_gdn", "linear", "mamba2"))
+    return {**{name: dict(H=m.num_v_heads, K=m.head_dim, V=m.head_v_dim)  # q, k repeated to the value heads
+               for name, m in (("gdn", gdn), ("deltanet", deltanet), ("kda", kda))},
             "derived_gdn": dict(H=derived.num_heads, K=derived.head_dim, V=derived.head_dim),
             "linear": dict(H=linear.num_heads, K=linear.head_dim, V=linear.head_dim),
             "mamba2": dict(H=mamba2.num_heads, P=mamba2.head_dim, G=mamba2.n_groups, N=mamba2.state_size)}
@@ -99,7 +100,9 @@ def kernel_cases() -> list[tuple]:
     shapes = kernel_shapes()
     T = CU_SEQLENS[-1]
     GDN, LIN, SSD = "fla.ops.gated_delta_rule", "fla.ops.linear_attn", "fla.ops.simple_gla"
+    DELTA, KDA = "fla.ops.delta_rule", "fla.ops.kda"
     gdn_grads, lin_grads = ("q", "k", "v", "g", "beta"), ("q", "k", "v")
+    delta_grads = ("q", "k", "v", "beta")
     ssd_grads = ("x", "dt", "A", "B", "C", "D", "dt_bias")
     cases = []
     for bf16 in (False, True):
@@ -113,6 +116,16 @@ def kernel_cases() -> list[tuple]:
              gdn_grads, GDN, "chunk_gated_delta_rule", bf16),
             (f"gdn recurrent one step {p}", op_gdn_recurrent, gdn_inputs(1, **shapes["gdn"]), (),
              GDN, "fused_recurrent_gated_delta_rule", bf16),
+            (f"deltanet chunk packed {p}", op_gdn_chunk,
+             packed(gdn_inputs(T, B=1, state=False, decay="none", max_beta=2.0, **shapes["deltanet"])), delta_grads,
+             GDN, "chunk_gated_delta_rule", bf16),  # with g = 0: fla's chunk_delta_rule refuses fp32
+            (f"deltanet recurrent one step {p}", op_gdn_recurrent, gdn_inputs(1, decay="none", **shapes["deltanet"]), (),
+             DELTA, "fused_recurrent_delta_rule", bf16),
+            (f"kda chunk packed {p}", op_gdn_chunk,
+             packed(gdn_inputs(T, B=1, state=False, decay="per_channel", max_beta=2.0, **shapes["kda"])), gdn_grads,
+             KDA, "chunk_kda", bf16),
+            (f"kda recurrent one step {p}", op_gdn_recurrent, gdn_inputs(1, decay="per_channel", **shapes["kda"]), (),
+             KDA, "fused_recurrent_kda", bf16),
             (f"linear packed {p}", op_linear(True), packed(linear_inputs(T, B=1, state=False, **shapes["linear"])), lin_grads,
              LIN, "chunk_linear_attn", bf16),
             (f"linear initial state {p}", op_linear(True), linear_inputs(300, **shapes["linear"]), lin_grads + ("S0", "z0"),

@@ -193,17 +193,21 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(RMSNorm):
-    """RMSNorm(x) * silu(gate) (norm before gate, GDN) or RMSNorm(x * silu(gate)) (norm after
-    gate, Mamba2), over the last dim, which is one head or one group."""
+    """RMSNorm(x) * act(gate) (norm before gate, GDN, KDA) or RMSNorm(x * act(gate)) (norm after
+    gate, Mamba2), over the last dim, which is one head or one group; act is silu (GDN, Mamba2) or
+    sigmoid (KDA)."""
 
-    def __init__(self, dim: int, eps: float = 1e-6, norm_before_gate: bool = True):
+    ACTIVATIONS = {"silu": F.silu, "sigmoid": torch.sigmoid}
+
+    def __init__(self, dim: int, eps: float = 1e-6, norm_before_gate: bool = True, activation: str = "silu"):
         super().__init__(dim, eps)
         self.norm_before_gate = norm_before_gate
+        self.activation = self.ACTIVATIONS[activation]
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         if self.norm_before_gate:
-            return super().forward(x) * F.silu(at_least_fp32(gate)).to(x.dtype)
-        return super().forward((at_least_fp32(x) * F.silu(at_least_fp32(gate))).to(x.dtype))
+            return super().forward(x) * self.activation(at_least_fp32(gate)).to(x.dtype)
+        return super().forward((at_least_fp32(x) * self.activation(at_least_fp32(gate))).to(x.dtype))
 
 
 class RotaryEmbedding:

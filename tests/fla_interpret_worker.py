@@ -28,6 +28,7 @@ from checks.fla_cases import (gdn_inputs, linear_inputs, op_gdn_chunk, op_gdn_re
 from model.ops import kernels
 
 GDN, LINEAR, SSD = "fla.ops.gated_delta_rule", "fla.ops.linear_attn", "fla.ops.simple_gla"
+DELTA, KDA = "fla.ops.delta_rule", "fla.ops.kda"
 CU_SEQLENS = torch.tensor([0, 13, 83, 100])  # lengths 13, 70, 17: a sequence over two of fla's 64-token chunks
 CU_SHORT = torch.tensor([0, 3, 9, 11])  # for the per-token recurrence
 # small shapes: the interpreter runs every kernel program in Python
@@ -56,6 +57,7 @@ def varlen(inputs: dict, states: tuple[str, ...]) -> dict:
 T_PACKED = int(CU_SEQLENS[-1])
 GDN_GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 SSD_GRADS = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_states")
+DELTA_GRADS = ("q", "k", "v", "beta", "initial_state")  # DeltaNet: no decay
 # name: (our op, its inputs, the inputs differentiated, the fla module and function the dispatch must call,
 #        the reference when it is not the same op on the PyTorch path, the dtype fla runs in)
 CASES = {
@@ -72,6 +74,20 @@ CASES = {
     "gdn recurrent, one token": (op_gdn_recurrent, gdn_inputs(1, **GDN_SHAPE), (), GDN, "fused_recurrent_gated_delta_rule"),
     "gdn recurrent, cu_seqlens": (op_gdn_recurrent, {**gdn_inputs(11, B=1, state=False, **GDN_SHAPE), "cu_seqlens": CU_SHORT},
                                   (), GDN, "fused_recurrent_gated_delta_rule"),
+    # DeltaNet (no decay) and KDA (a decay per key channel), beta in (0, 2) (allow_neg_eigval)
+    # DeltaNet's chunked form runs fla's GDN kernel with g = 0 (fla's chunk_delta_rule refuses float32)
+    "deltanet chunk, initial state": (op_gdn_chunk, gdn_inputs(70, decay="none", max_beta=2.0, **GDN_SHAPE), DELTA_GRADS,
+                                      GDN, "chunk_gated_delta_rule"),
+    "deltanet recurrent, initial state": (op_gdn_recurrent, gdn_inputs(7, decay="none", max_beta=2.0, **GDN_SHAPE), (),
+                                          DELTA, "fused_recurrent_delta_rule"),
+    "kda chunk, initial state": (op_gdn_chunk, gdn_inputs(40, decay="per_channel", max_beta=2.0, **GDN_SHAPE), GDN_GRADS,
+                                 KDA, "chunk_kda"),  # one partial chunk: fla's KDA kernels are slow to interpret
+    "kda chunk, cu_seqlens": (op_gdn_chunk, {**gdn_inputs(T_PACKED, B=1, state=False, decay="per_channel", **GDN_SHAPE),
+                                             "cu_seqlens": CU_SEQLENS}, GDN_GRADS[:-1], KDA, "chunk_kda"),
+    "kda recurrent, initial state": (op_gdn_recurrent, gdn_inputs(7, decay="per_channel", max_beta=2.0, **GDN_SHAPE), (),
+                                     KDA, "fused_recurrent_kda"),
+    "kda recurrent, one token": (op_gdn_recurrent, gdn_inputs(1, decay="per_channel", **GDN_SHAPE), (), KDA,
+                                 "fused_recurrent_kda"),
     "linear, initial state": (op_linear(False), linear_inputs(70, **LINEAR_SHAPE), ("q", "k", "v", "S0"), LINEAR,
                               "chunk_linear_attn"),
     "linear normalized, initial state": (op_linear(True), linear_inputs(70, **LINEAR_SHAPE), ("q", "k", "v", "S0", "z0"),

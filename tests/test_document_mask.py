@@ -39,10 +39,11 @@ def assert_grads_match(leaves: dict, out, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-10, msg=name)
 
 
-def test_gated_delta_cu_seqlens_matches_restarted_recurrence():
-    q, k, v, g, beta, _ = gdn_inputs(B=1, T=37)
-    leaves = {n: x.requires_grad_() for n, x in zip("q k v g beta".split(), (q, k, v, g, beta))}
-    o_ref, (S_ref,) = per_sequence(naive_gated_delta, CU, leaves, scale=0.3)
+@pytest.mark.parametrize("decay", ["per_head", "per_channel", "none"])
+def test_gated_delta_cu_seqlens_matches_restarted_recurrence(decay):
+    q, k, v, g, beta, _ = gdn_inputs(B=1, T=37, decay=decay, max_beta=2.0)
+    leaves = {n: x.requires_grad_() for n, x in zip("q k v g beta".split(), (q, k, v, g, beta)) if x is not None}
+    o_ref, (S_ref,) = per_sequence(naive_gated_delta, CU, leaves, scale=0.3, **({"g": None} if g is None else {}))
     o, S = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, output_final_state=True, chunk_size=4, cu_seqlens=CU)
     assert S.shape == (len(CU) - 1, *S_ref.shape[1:])
     torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)

@@ -3,6 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import model.ops.gated_delta as gated_delta
 from conftest import assert_bf16_rounding_of
 from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
                                    naive_derived_gated_delta, naive_gated_delta)
@@ -10,21 +11,27 @@ from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_r
 f64 = torch.float64
 
 
-def make_inputs(B=2, T=37, H=3, K=8, V=6, dtype=f64, seed=0):
+DECAYS = ("per_head", "per_channel", "none")  # g [B, T, H] (GDN), [B, T, H, K] (KDA), None (DeltaNet)
+
+
+def make_inputs(B=2, T=37, H=3, K=8, V=6, dtype=f64, seed=0, decay="per_head", max_beta=1.0):
+    """max_beta=2: beta in (0, 2), the transitions' negative eigenvalues (allow_neg_eigval)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(B, T, H, K, generator=gen, dtype=dtype)
     k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
     v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
-    g = F.logsigmoid(torch.randn(B, T, H, generator=gen, dtype=dtype))
-    beta = torch.rand(B, T, H, generator=gen, dtype=dtype)
+    g = F.logsigmoid(torch.randn(B, T, H, *(K,) * (decay == "per_channel"), generator=gen, dtype=dtype))
+    beta = max_beta * torch.rand(B, T, H, generator=gen, dtype=dtype)
     h0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
-    return q, k, v, g, beta, h0
+    return q, k, v, None if decay == "none" else g, beta, h0
 
 
+@pytest.mark.parametrize("max_beta", [1.0, 2.0])
+@pytest.mark.parametrize("decay", DECAYS)
 @pytest.mark.parametrize("with_state", [False, True])
-@pytest.mark.parametrize("chunk_size", [16, 64])
-def test_chunk_matches_recurrence(with_state, chunk_size):
-    q, k, v, g, beta, h0 = make_inputs()  # T = 37: not a multiple of the chunk
+@pytest.mark.parametrize("chunk_size", [16, 32, 64])  # per channel: 2 sub-blocks of 8, 4, and 37 of one token
+def test_chunk_matches_recurrence(with_state, chunk_size, decay, max_beta):
+    q, k, v, g, beta, h0 = make_inputs(decay=decay, max_beta=max_beta)  # T = 37: not a multiple of the chunk
     h0 = h0 if with_state else None
     o_ref, h_ref = naive_gated_delta(q, k, v, g, beta, scale=0.3, h=h0)
     o, h = chunk_gated_delta_rule(q, k, v, g, beta, scale=0.3, initial_state=h0, output_final_state=True,
@@ -35,19 +42,61 @@ def test_chunk_matches_recurrence(with_state, chunk_size):
     assert h is None
 
 
-def test_strong_decay_is_stable():
+@pytest.mark.parametrize("C, block", [(16, 16), (16, 4), (12, 8), (7, 16)])  # one sub-block, four, three (4 | 12), 7
+def test_decayed_products_match_the_direct_sum(C, block, monkeypatch):
+    """The per-channel intra-chunk products, P_ij = sum_d a_id b_jd exp(G_id - G_jd) (i >= j), and their gradients,
+    against the direct sum over channels; with a decay strong enough that exp(-G) would overflow in float64."""
+    monkeypatch.setattr(gated_delta, "SUB_BLOCK", block)
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(2, 3, C, 5, generator=gen, dtype=f64).requires_grad_() for _ in range(2))
+    g = F.logsigmoid(torch.randn(2, 3, C, 5, generator=gen, dtype=f64))
+    g[..., 0] = -200.0  # G reaches -200 C: exp(G_r - G_j) with r > j is 0, never exp(+200 C)
+    G = g.cumsum(-2).requires_grad_()
+    got = gated_delta._decayed_products(a, b, G)
+    lower = torch.ones(C, C, dtype=torch.bool).tril()
+    gamma = torch.where(lower[..., None], G[..., :, None, :] - G[..., None, :, :], float("-inf")).exp()
+    want = (a[..., :, None, :] * gamma * b[..., None, :, :]).sum(-1)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    w = torch.randn(want.shape, generator=gen, dtype=f64)
+    for x, y in zip(torch.autograd.grad((got * w).sum(), (a, b, G)), torch.autograd.grad((want * w).sum(), (a, b, G))):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+
+
+def test_decay_forms_differ():
+    """The three forms are three recurrences (a per-channel decay is not read as its mean or first channel):
+    the same q, k, v, beta give outputs apart by far more than the tolerance above."""
+    q, k, v, g, beta, _ = make_inputs(decay="per_channel")
+    outs = [chunk_gated_delta_rule(q, k, v, decay, beta, chunk_size=16)[0] for decay in (g, g[..., 0], None)]
+    assert min((a - b).abs().max() for i, a in enumerate(outs) for b in outs[i + 1:]) > 1e-2
+
+
+def test_bad_decay_shape_is_one_line():
+    q, k, v, g, beta, _ = make_inputs(decay="per_channel")
+    with pytest.raises(ValueError, match=r"^g of shape \(2, 37, 3, 4\); valid: None, \(2, 37, 3\) .*\(2, 37, 3, 8\)"):
+        chunk_gated_delta_rule(q, k, v, g[..., :4], beta)
+
+
+@pytest.mark.parametrize("decay", DECAYS[:2])
+def test_strong_decay_is_stable(decay):
     # Cumulative log decay far below fp32 exp range within one chunk (-20 per step): no inf/nan.
-    q, k, v, g, beta, _ = make_inputs(T=64, dtype=torch.float32)
+    q, k, v, g, beta, _ = make_inputs(T=64, dtype=torch.float32, decay=decay)
     g = torch.full_like(g, -20.0)
+    if decay == "per_channel":  # channels that decay hard beside channels that keep their memory
+        g[..., ::2] = -0.01
     o, _ = chunk_gated_delta_rule(q, k, v, g, beta)
     o_ref, _ = naive_gated_delta(*(x.double() for x in (q, k, v, g, beta)))
     torch.testing.assert_close(o.double(), o_ref, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("decay, max_beta", [("per_head", 1.0), ("per_channel", 1.0), ("none", 1.0),
+                                             ("per_channel", 2.0), ("none", 2.0)])
 @pytest.mark.parametrize("T", [21, 24])  # a partial last chunk of 8, and whole chunks only
-def test_gradients_match_recurrence(T):
-    inputs = [x.requires_grad_() for x in make_inputs(T=T)]
-    q, k, v, g, beta, h0 = inputs
+def test_gradients_match_recurrence(T, decay, max_beta, monkeypatch):
+    monkeypatch.setattr(gated_delta, "SUB_BLOCK", 4)
+    q, k, v, g, beta, h0 = make_inputs(T=T, decay=decay, max_beta=max_beta)
+    names, inputs = zip(*((n, x.requires_grad_()) for n, x in zip("q k v g beta h0".split(), (q, k, v, g, beta, h0))
+                          if x is not None))
     gen = torch.Generator().manual_seed(1)
     w_o, w_h = torch.randn(2, T, 3, 6, generator=gen, dtype=f64), torch.randn(2, 3, 8, 6, generator=gen, dtype=f64)
 
@@ -57,24 +106,26 @@ def test_gradients_match_recurrence(T):
 
     ref = torch.autograd.grad(loss(lambda *a, initial_state, output_final_state: naive_gated_delta(*a, h=initial_state)),
                               inputs)
-    got = torch.autograd.grad(loss(chunk_gated_delta_rule, chunk_size=8), inputs)
-    for name, a, b in zip("q k v g beta h0".split(), got, ref):
+    got = torch.autograd.grad(loss(chunk_gated_delta_rule, chunk_size=8), inputs)  # per channel: 2 sub-blocks of 4
+    for name, a, b in zip(names, got, ref):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9, msg=f"grad {name}")
 
 
-def test_split_sequence_carries_state():
-    q, k, v, g, beta, h0 = make_inputs(T=50)
+@pytest.mark.parametrize("decay", DECAYS)
+def test_split_sequence_carries_state(decay):
+    q, k, v, g, beta, h0 = make_inputs(T=50, decay=decay)
     o, h = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=16)
-    o1, h1 = chunk_gated_delta_rule(*(x[:, :19] for x in (q, k, v, g, beta)), initial_state=h0,
+    o1, h1 = chunk_gated_delta_rule(*(None if x is None else x[:, :19] for x in (q, k, v, g, beta)), initial_state=h0,
                                     output_final_state=True, chunk_size=16)
-    o2, h2 = chunk_gated_delta_rule(*(x[:, 19:] for x in (q, k, v, g, beta)), initial_state=h1,
+    o2, h2 = chunk_gated_delta_rule(*(None if x is None else x[:, 19:] for x in (q, k, v, g, beta)), initial_state=h1,
                                     output_final_state=True, chunk_size=16)
     torch.testing.assert_close(torch.cat([o1, o2], 1), o, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(h2, h, rtol=1e-10, atol=1e-10)
 
 
-def test_fused_recurrent_matches_chunk():
-    q, k, v, g, beta, h0 = make_inputs(T=13)
+@pytest.mark.parametrize("decay", DECAYS)
+def test_fused_recurrent_matches_chunk(decay):
+    q, k, v, g, beta, h0 = make_inputs(T=13, decay=decay, max_beta=2.0)
     o, h = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=4)
     o_r, h_r = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
     torch.testing.assert_close(o_r, o, rtol=1e-10, atol=1e-10)

@@ -113,19 +113,22 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
             return original(*args, **kwargs)
         monkeypatch.setattr(module, name, spied)
 
-    spy(gdn_mixer, "chunk_gated_delta_rule", "gdn", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
+    spy(gdn_mixer, "chunk_gated_delta_rule", "delta_rule_block", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
     spy(gated_delta, "chunk_gated_delta_rule", "derived_gdn", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
     spy(linear_mixer, "chunk_linear_attn", "linear", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
     spy(mamba2_mixer, "mamba_chunk_scan", "mamba2", lambda x, dt, A, B, C, *_: (x.shape[2], x.shape[3], B.shape[2], B.shape[3]))
     positions = torch.cat([torch.arange(20), torch.arange(12)])[None]
     with torch.no_grad():
-        for mixer in ("gdn", "derived_gdn", "linear", "mamba2"):
+        for mixer in ("gdn", "deltanet", "kda", "derived_gdn", "linear", "mamba2"):
             layer = MIXERS.get(mixer)(checks_stage.training_model_config(mixer), 0)
             layer(torch.randn(1, 32, layer_width(layer)), segments=DocumentSegments(positions))
+            if "delta_rule_block" in seen:  # gdn, deltanet and kda call the op from DeltaRuleBlock (model/mixers/gdn.py)
+                seen[mixer] = seen.pop("delta_rule_block")
     cases = {name: inputs for name, _, inputs, *_ in kernels.kernel_cases()}
     q = lambda name: cases[name]["q"]  # noqa: E731
-    assert seen["gdn"] == (q("gdn chunk packed bf16").shape[2], q("gdn chunk packed bf16").shape[3],
-                           cases["gdn chunk packed bf16"]["v"].shape[3])
+    for mixer in ("gdn", "deltanet", "kda"):
+        case = f"{mixer} chunk packed bf16"
+        assert seen[mixer] == (q(case).shape[2], q(case).shape[3], cases[case]["v"].shape[3])
     assert seen["derived_gdn"] == (q("derived_gdn chunk packed bf16").shape[2], q("derived_gdn chunk packed bf16").shape[3],
                                    cases["derived_gdn chunk packed bf16"]["v"].shape[3])
     assert seen["linear"] == (q("linear packed bf16").shape[2], q("linear packed bf16").shape[3],

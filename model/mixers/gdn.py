@@ -1,9 +1,14 @@
-"""Gated DeltaNet (the flash-linear-attention GatedDeltaNet layer).
+"""Gated DeltaNet (the flash-linear-attention GatedDeltaNet layer), and DeltaRuleBlock, the block it shares
+with DeltaNet (model/mixers/deltanet.py) and KDA (model/mixers/kda.py).
 
     q, k = l2norm(silu(conv(W_q x))), l2norm(silu(conv(W_k x)))   per head, x / sqrt(sum x^2 + 1e-6)
     v = silu(conv(W_v x)),  beta = sigmoid(W_b x),  g = -exp(A_log) softplus(W_a x + dt_bias)
     h_t = h_{t-1} exp(g_t) + k_t u_t^T, u_t = beta_t (v_t - (h_{t-1} exp(g_t))^T k_t),  o_t = h_t^T q_t / sqrt(d_k)
     y = W_o [RMSNorm(o) * silu(W_g x)]   (per-head norm before the gate)
+
+allow_neg_eigval (as fla's, default off): beta = 2 sigmoid(W_b x) in (0, 2), so the transition I - beta_t k_t k_t^T
+has eigenvalue 1 - beta_t in (-1, 1) along k_t (Grazzi et al. 2025, "Unlocking State-Tracking in Linear RNNs
+Through Negative Eigenvalues", ICLR: parity and modular counting need a negative eigenvalue).
 
 Value heads may outnumber query/key heads (num_v_heads, GQA-style): each q/k head then serves
 num_v_heads / num_heads consecutive value heads. Decoding keeps the three conv tails and the
@@ -11,7 +16,7 @@ recurrent state h [B, Hv, d_k, d_v] in the cache: constant memory.
 
 Init as fla's GatedDeltaNetPreTrainedModel: every projection N(0, initializer_range), A ~ U(0, 16)
 stored as log A, softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4, the gated norm's weight 1.
-Ours differs on purpose in two places:
+Ours differs on purpose in two places (in every DeltaRuleBlock):
 - the short-conv kernels keep PyTorch's nn.Conv1d default U(+-1/sqrt(conv_size)), as mamba_ssm's conv,
   where fla's _init_weights gives them N(0, initializer_range) (its ShortConvolution is an nn.Conv1d).
   Four taps of std 0.02 shrink q, k, v an order of magnitude at init; at our widths v then sits
@@ -37,58 +42,65 @@ from model.registry import MIXERS
 
 
 @dataclass
-class GDNOptions:
+class DeltaRuleOptions:
     num_heads: int | None = option(None, at_least=1)    # None: the config's num_attention_heads
     head_dim: int | None = option(None, at_least=1)     # None: hidden_size / num_heads
-    expand_v: float = option(2, above=0)                # value head width = expand_v * head_dim
-    num_v_heads: int | None = option(None, at_least=1)  # None: num_heads; else a multiple of it
+    expand_v: float = option(1, above=0)                # value head width = expand_v * head_dim
     conv_size: int = option(4, at_least=1)
     chunk_size: int = option(CHUNK_SIZE, at_least=1)
+    allow_neg_eigval: bool = option(False)              # beta = 2 sigmoid(W_b x) in (0, 2) (Grazzi et al. 2025)
 
 
-@MIXERS.register("gdn")
-class GatedDeltaNet(nn.Module):
-    Options = GDNOptions
-    parametrization = "fla"  # as fla's GatedDeltaNet models (model/config.py; docs/blocks.md#parametrization)
+@dataclass
+class GDNOptions(DeltaRuleOptions):
+    expand_v: float = option(2, above=0)
+    num_v_heads: int | None = option(None, at_least=1)  # None: num_heads; else a multiple of it
 
-    def __init__(self, config, layer_idx: int = 0):
+
+class DeltaRuleBlock(nn.Module):
+    """What the delta-rule mixers share: q, k, v through short convs (q, k L2-normalised per head), beta, the
+    delta rule (chunked in training and prefill, per token when decoding one token, restarted at each document),
+    the per-head output norm and W_o. A subclass builds its decay and its output norm, initialises them
+    beside init_projections / init_convs_and_output in its init_parameters, and gives
+    decay(x) -> g (None, [B, T, Hv] or [B, T, Hv, d_k]: model/ops/gated_delta.py) and
+    normalize(o [B, T, Hv, d_v], x) -> the normed (and gated) o."""
+
+    parametrization = "fla"  # as fla's models of these layers (model/config.py; docs/blocks.md#parametrization)
+
+    def __init__(self, config, layer_idx: int, name: str, opts: DeltaRuleOptions, num_v_heads: int | None = None):
         super().__init__()
-        opts = config.options_for_mixer("gdn", GDNOptions)
         d = config.hidden_size
         self.layer_idx = layer_idx
         self.num_heads = opts.num_heads or config.num_attention_heads
         self.head_dim = opts.head_dim or d // self.num_heads
         self.expand_v = opts.expand_v
-        self.num_v_heads = opts.num_v_heads or self.num_heads
+        self.num_v_heads = num_v_heads or self.num_heads
         self.conv_size = opts.conv_size
         self.chunk_size = opts.chunk_size
+        self.allow_neg_eigval = opts.allow_neg_eigval
         if self.num_v_heads % self.num_heads:
-            raise bad_option("gdn", "num_v_heads", self.num_v_heads, f"a multiple of num_heads={self.num_heads}")
+            raise bad_option(name, "num_v_heads", self.num_v_heads, f"a multiple of num_heads={self.num_heads}")
         self.head_v_dim = int(self.head_dim * self.expand_v)
-        key_dim, value_dim = self.num_heads * self.head_dim, self.num_v_heads * self.head_v_dim
-        self.q_proj = nn.Linear(d, key_dim, bias=False)
-        self.k_proj = nn.Linear(d, key_dim, bias=False)
-        self.v_proj = nn.Linear(d, value_dim, bias=False)
-        self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        self.key_dim, self.value_dim = self.num_heads * self.head_dim, self.num_v_heads * self.head_v_dim
+        self.q_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.k_proj = nn.Linear(d, self.key_dim, bias=False)
+        self.v_proj = nn.Linear(d, self.value_dim, bias=False)
         self.b_proj = nn.Linear(d, self.num_v_heads, bias=False)
-        self.g_proj = nn.Linear(d, value_dim, bias=False)
-        self.q_conv = ShortConv(key_dim, self.conv_size)
-        self.k_conv = ShortConv(key_dim, self.conv_size)
-        self.v_conv = ShortConv(value_dim, self.conv_size)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
-        self.o_norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, norm_before_gate=True)
-        self.o_proj = nn.Linear(value_dim, d, bias=False)
+        self.q_conv = ShortConv(self.key_dim, self.conv_size)
+        self.k_conv = ShortConv(self.key_dim, self.conv_size)
+        self.v_conv = ShortConv(self.value_dim, self.conv_size)
+        self.o_proj = nn.Linear(self.value_dim, d, bias=False)
         self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
 
-    def init_parameters(self) -> None:
-        for proj in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj):
+    def init_projections(self, *projections: nn.Linear) -> None:
+        """The input projections, in the subclass's order (so that one seed gives one init): N(0, initializer_range)."""
+        for proj in projections:
             init.normal_(proj.weight, mean=0.0, std=self.init_std)
+
+    def init_convs_and_output(self) -> None:
         for conv in (self.q_conv, self.k_conv, self.v_conv):  # depthwise: fan_in = kernel size
             init_fan_in_uniform_(conv.conv.weight, self.conv_size)
         init.normal_(self.o_proj.weight, mean=0.0, std=self.init_std * self.residual_scale)
-        init_A_log_(self.A_log, 0.0, 16.0)
-        init_dt_bias_(self.dt_bias)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None, segments=None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -99,12 +111,12 @@ class GatedDeltaNet(nn.Module):
         q, k = ((at_least_fp32(t) / torch.sqrt(at_least_fp32(t).pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype)
                 for t in (q, k))
         q, k = repeat_heads(q, Hv), repeat_heads(k, Hv)  # each q, k head shared by Hv / H value heads
-        beta = at_least_fp32(self.b_proj(x)).sigmoid()
-        g = -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + self.dt_bias)
+        beta = at_least_fp32(self.b_proj(x)).sigmoid() * (2 if self.allow_neg_eigval else 1)
+        g = self.decay(x)
         state = cache.get("state") if cache is not None else None
         if segments is not None:  # the state restarts at each segment
-            o, _ = chunk_gated_delta_rule(*(segments.flatten(t) for t in (q, k, v, g, beta)), chunk_size=self.chunk_size,
-                                          cu_seqlens=segments.cu_seqlens)
+            o, _ = chunk_gated_delta_rule(*(None if t is None else segments.flatten(t) for t in (q, k, v, g, beta)),
+                                          chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
             o = o.view(B, T, Hv, V)
         elif cache is not None and T == 1:
             o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
@@ -114,16 +126,50 @@ class GatedDeltaNet(nn.Module):
                                               output_final_state=cache is not None, chunk_size=self.chunk_size)
         if cache is not None:
             cache["state"] = state.detach()
-        o = self.o_norm(o.to(x.dtype), self.g_proj(x).view(B, T, Hv, V))
-        return self.o_proj(o.reshape(B, T, Hv * V))
+        return self.o_proj(self.normalize(o.to(x.dtype), x).reshape(B, T, Hv * V))
+
+    def flops_per_token(self, seq_len: int, device) -> float:
+        """q, k, v, o, b projections, the short convs and the delta rule at the chunk it runs at on `device` (fla's on
+        CUDA); a subclass adds its decay and gate."""
+        d = self.q_proj.in_features
+        proj = 2 * d * (2 * self.key_dim + 2 * self.value_dim + self.num_v_heads)
+        conv = 2 * self.conv_size * (2 * self.key_dim + self.value_dim)
+        chunk = chunk_size_on(device, self.chunk_size, seq_len, self.per_channel_decay)
+        core = self.num_v_heads * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, seq_len, chunk,
+                                                          self.per_channel_decay)
+        return proj + conv + core
+
+    per_channel_decay = False  # whether decay(x) gives one decay per key channel (the op's costlier form)
+
+
+@MIXERS.register("gdn")
+class GatedDeltaNet(DeltaRuleBlock):
+    Options = GDNOptions
+
+    def __init__(self, config, layer_idx: int = 0):
+        opts = config.options_for_mixer("gdn", GDNOptions)
+        super().__init__(config, layer_idx, "gdn", opts, opts.num_v_heads)
+        d = config.hidden_size
+        self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        self.g_proj = nn.Linear(d, self.value_dim, bias=False)
+        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.o_norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, norm_before_gate=True)
+
+    def init_parameters(self) -> None:
+        self.init_projections(self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
+        self.init_convs_and_output()
+        init_A_log_(self.A_log, 0.0, 16.0)
+        init_dt_bias_(self.dt_bias)
+
+    def decay(self, x: torch.Tensor) -> torch.Tensor:
+        return -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + self.dt_bias)
+
+    def normalize(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.o_norm(o, self.g_proj(x).view(o.shape))
 
     def flops_per_token(self, seq_len: int, device) -> float:
         """Projections, short convs, and the chunked gated delta rule per value head at the chunk it runs at
         on `device` (fla's on CUDA)."""
         d = self.q_proj.in_features
-        key_dim, value_dim = self.num_heads * self.head_dim, self.num_v_heads * self.head_v_dim
-        proj = 2 * d * (2 * key_dim + 3 * value_dim + 2 * self.num_v_heads)  # q, k, v, g, o, a, b
-        conv = 2 * self.conv_size * (2 * key_dim + value_dim)
-        core = self.num_v_heads * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, seq_len,
-                                                          chunk_size_on(device, self.chunk_size, seq_len))
-        return proj + conv + core
+        return super().flops_per_token(seq_len, device) + 2 * d * (self.value_dim + self.num_v_heads)  # g, a

@@ -1,56 +1,90 @@
-"""Gated delta rule (Gated DeltaNet) and the derived-GDN recursion, in PyTorch.
+"""The delta rule family (DeltaNet, Gated DeltaNet, KDA) and the derived-GDN recursion, in PyTorch.
 
 Recurrence per head, state h [K, V]:
-    h_t = h_{t-1} exp(g_t);  u_t = beta_t (v_t - h_t^T k_t);  h_t = h_t + k_t u_t^T;  o_t = h_t^T (scale q_t)
-i.e. S_t = S_{t-1} alpha_t (I - beta_t k_t k_t^T) + beta_t v_t k_t^T with S = h^T, alpha = exp(g).
+    h_t = Diag(alpha_t) h_{t-1};  u_t = beta_t (v_t - h_t^T k_t);  h_t = h_t + k_t u_t^T;  o_t = h_t^T (scale q_t)
+i.e. S_t = S_{t-1} Diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T with S = h^T, alpha_t = exp(g_t), where
+the log decay g is one of (one op, dispatched on g's shape):
+    None          no decay, alpha = 1: DeltaNet (Yang et al. 2024);
+    [B, T, H]     one decay per head: Gated DeltaNet (Yang et al. 2025);
+    [B, T, H, K]  one decay per key channel: KDA (Kimi Linear, Kimi Team 2025).
+Any beta is exact, beta in (0, 2) included (the transition's eigenvalue 1 - beta_t along k_t then reaches
+into (-1, 0): Grazzi et al. 2025's negative eigenvalues).
 
-Layouts follow fla: q, k [B, T, H, K], v [B, T, H, V], g (log decay), beta [B, T, H], state [B, H, K, V].
+Layouts follow fla: q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H], state [B, H, K, V].
 All arithmetic is in fp32 (fp64 for fp64 inputs); outputs are cast back to the input dtype, states
-stay in the compute dtype. On CUDA tensors the fla kernels are used when fla imports.
+stay in the compute dtype. On CUDA tensors the fla kernels are used when fla imports (CHUNK_KERNELS,
+RECURRENT_KERNELS).
 cu_seqlens (fla's convention, model/ops/varlen.py): q.. of batch 1 hold several sequences, the state
 restarting from zero at each; final states are then [N, H, K, V], one per sequence.
 """
 import torch
+import torch.nn.functional as F
 
 from model.ops.kernels import accumulation_dtype, kernel_runs, optional_kernel, own_precision
 from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, sequence_cumsum
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
+SUB_BLOCK = 8  # a per-channel decay's exact pairs (_decayed_products): sub-blocks of up to this many tokens
+# fla's kernels (module, function) per decay form. DeltaNet's chunked form runs fla's GDN kernel with g = 0:
+# fla's chunk_delta_rule refuses float32 inputs (an assert), which fp32 runs and the checks hand it.
+CHUNK_KERNELS = {"none": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                 "per_head": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+                 "per_channel": ("fla.ops.kda", "chunk_kda")}
+RECURRENT_KERNELS = {"none": ("fla.ops.delta_rule", "fused_recurrent_delta_rule"),
+                     "per_head": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+                     "per_channel": ("fla.ops.kda", "fused_recurrent_kda")}
+
+
+def decay_form(k: torch.Tensor, g: torch.Tensor | None) -> str:
+    """"none", "per_head" or "per_channel": which decay g [B, T, H] / [B, T, H, K] / None gives keys k [B, T, H, K]."""
+    if g is None:
+        return "none"
+    if g.shape in (k.shape[:3], k.shape):
+        return "per_head" if g.dim() == 3 else "per_channel"
+    raise ValueError(f"g of shape {tuple(g.shape)}; valid: None, {tuple(k.shape[:3])} (per head) or "
+                     f"{tuple(k.shape)} (per key channel)")
 
 
 @own_precision
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                            chunk_size=CHUNK_SIZE, cu_seqlens=None):
-    """Chunked (WY) gated delta rule; returns (o [B, T, H, V], final state [B, H, K, V] or None).
+    """Chunked (WY) delta rule with decay g (None, per head or per key channel; module docstring);
+    returns (o [B, T, H, V], final state [B, H, K, V] or None).
 
-    Per chunk of C tokens with in-chunk cumulative log decay G and Gamma_ij = exp(G_i - G_j) (i >= j):
+    Per chunk of C tokens with in-chunk cumulative log decay G and Gamma_ij = exp(G_i - G_j) (i >= j; per key
+    channel d for a per-channel decay, Gamma_ijd, contracted inside the products below):
         (I + strictLower(diag(beta) (Gamma o K K^T))) [u | w] = [beta v | beta k exp(G)]
         S_{n+1} = exp(G_C) S_n + kd^T (u - w S_n),   kd = k exp(G_C - G)   (state h, [K, V])
         o = scale [(q exp(G)) S_n + tril(Gamma o Q K^T) (u - w S_n)]
-    All chunks' intra-chunk work is batched; only the state recursion S_n -> S_{n+1} loops (and its
-    reverse in the hand-written backward). The default C = 32 is the fastest on CPU (fla's GPU kernel
-    uses 64). With cu_seqlens every sequence is laid out on whole chunks (ChunkLayout) and the state
-    entering a sequence's first chunk is dropped (e^G zeroed there).
+    Every exponent is <= 0. All chunks' intra-chunk work is batched; only the state recursion S_n -> S_{n+1}
+    loops. A scalar decay per head (or none: g = 0) runs _ChunkedGatedDelta with its hand-written backward;
+    a per-channel decay runs _chunked_per_channel, differentiated by autograd. The default C = 32 is the
+    fastest on CPU for the scalar decay (fla's GPU kernel uses 64). With cu_seqlens every sequence is laid
+    out on whole chunks (ChunkLayout) and the state entering a sequence's first chunk is dropped (e^G zeroed
+    there).
     """
-    fla_chunk = optional_kernel("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", q)
+    form = decay_form(k, g)
+    fla_chunk = optional_kernel(*CHUNK_KERNELS[form], q)
     if fla_chunk is not None:
-        return fla_chunk(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+        g = q.new_zeros(q.shape[:3], dtype=torch.float32) if g is None else g
+        return fla_chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtype, cd = v.dtype, accumulation_dtype(v.dtype)
     scale = K ** -0.5 if scale is None else scale
     C = min(chunk_size, T)
+    g = q.new_zeros(B, T, H, dtype=cd) if g is None else g.to(cd)
+    core = _chunked_per_channel if form == "per_channel" else _ChunkedGatedDelta.apply
     if cu_seqlens is None:
         S0 = q.new_zeros(B * H, K, V, dtype=cd) if initial_state is None else initial_state.to(cd).reshape(B * H, K, V)
-        o, S = _ChunkedGatedDelta.apply(q.to(cd), k.to(cd), v.to(cd), g.to(cd), beta.to(cd), S0, scale, C,
-                                        None, None)
+        o, S = core(q.to(cd), k.to(cd), v.to(cd), g, beta.to(cd), S0, scale, C, None, None)
         return o.to(dtype), (S.view(B, H, K, V) if output_final_state else None)
     check_packed(q, cu_seqlens, initial_state)
     layout = ChunkLayout.build(cu_seqlens, C)
-    o, S = _ChunkedGatedDelta.apply(*(layout.pad(x.to(cd)) for x in (q, k, v, g, beta)), q.new_zeros(H, K, V, dtype=cd),
-                                    scale, C, layout.resets, layout.ends)
+    o, S = core(*(layout.pad(x.to(cd)) for x in (q, k, v, g, beta)), q.new_zeros(H, K, V, dtype=cd),
+                scale, C, layout.resets, layout.ends)
     return layout.unpad(o).to(dtype), (S if output_final_state else None)
 
 
@@ -178,35 +212,104 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, dbeta)), dS0, None, None, None, None)
 
 
+def _chunked_per_channel(q, k, v, g, beta, S0, scale, C, resets, ends):
+    """_ChunkedGatedDelta's forward for a decay per key channel, g [B, T, H, K] (same arguments and returns),
+    in differentiable ops: autograd gives the backward. Gamma_ijd = exp(G_id - G_jd) is built per channel for
+    i >= j only, by sub-blocks (_decayed_products), so no exponent is positive however strong the decay."""
+    T = k.shape[1]
+    q, k, v, G, beta = (_differentiable_chunks(x, C) for x in (q, k, v, g, beta))  # [N, B, H, C, *]
+    G = G.cumsum(-2)
+    N, B, H, _, K = k.shape
+    V = v.shape[-1]
+    eG, ed = G.exp(), (G[..., -1:, :] - G).exp()
+    if resets is not None:
+        eG = eG.masked_fill(resets.view(N, 1, 1, 1, 1), 0.0)
+    kb = k * beta[..., None]
+    akk = _decayed_products(kb, k, G).tril(-1)
+    aqk = _decayed_products(q, k, G)
+    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
+    inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)
+    u, w = inv @ (v * beta[..., None]), inv @ (kb * eG)
+    qg, kd, decay = q * eG, (k * ed).transpose(-1, -2), eG[..., -1, :, None].reshape(N, B * H, K, 1)
+    states, outs = [S0], []
+    for n in range(N):  # the state recursion over [B H]-batched matrices
+        S = states[-1].view(B, H, K, V)
+        vnew = u[n] - w[n] @ S
+        outs.append(qg[n] @ S + aqk[n] @ vnew)
+        states.append(states[-1] * decay[n] + (kd[n] @ vnew).view(B * H, K, V))
+    o = torch.stack(outs) * scale
+    final = states[-1] if ends is None else torch.stack(states)[ends]
+    return o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T], final
+
+
+def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
+    """P_ij = sum_d a_id b_jd exp(G_id - G_jd) for i >= j, 0 above the diagonal; a, b, G [..., C, d_k], G the
+    cumulative log decay (non-increasing in i). With only non-positive exponents: the chunk is cut into sub-blocks
+    of `block` tokens; a pair in different sub-blocks factors through r, the first token of i's sub-block
+    (j < r <= i), as (a_i exp(G_i - G_r)) . (b_j exp(G_r - G_j)), a matmul; a pair inside one sub-block takes
+    exp(G_i - G_j) per channel (block^2 d_k numbers per sub-block). block: the largest divisor of C up to
+    SUB_BLOCK."""
+    C, K = G.shape[-2:]
+    c = next(c for c in range(min(SUB_BLOCK, C), 0, -1) if C % c == 0)
+    nb = C // c
+    Gb = G.unflatten(-2, (nb, c))
+    ref = Gb[..., :1, :]  # [..., nb, 1, K]
+    a_ref = a.unflatten(-2, (nb, c)) * (Gb - ref).exp()
+    earlier = torch.arange(C, device=G.device) < torch.arange(0, C, c, device=G.device)[:, None]  # [nb, C]: j < r
+    b_ref = b[..., None, :, :] * (ref - G[..., None, :, :]).masked_fill(~earlier[..., None], float("-inf")).exp()
+    out = a_ref @ b_ref.transpose(-1, -2)  # [..., nb, c, C]: the pairs across sub-blocks
+    above = torch.ones(c, c, dtype=torch.bool, device=G.device).triu(1)[..., None]
+    gamma = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(above, float("-inf")).exp()  # [..., nb, c, c, K]
+    within = torch.einsum("...id,...ijd,...jd->...ij", a.unflatten(-2, (nb, c)), gamma, b.unflatten(-2, (nb, c)))
+    out.unflatten(-1, (nb, c)).diagonal(dim1=-4, dim2=-2).add_(within.movedim(-3, -1))
+    return out.flatten(-3, -2)
+
+
+def _differentiable_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
+    """[B, T, H, *] -> [N, B, H, C, *] zero-padded to N C tokens, in ops autograd differentiates (_to_chunks
+    writes into a buffer)."""
+    T = x.shape[1]
+    pad = -T % C
+    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
+    return x.unflatten(1, (-1, C)).permute(1, 0, 3, 2, *range(4, x.dim() + 1))
+
+
 @own_precision
 def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
                                      output_final_state=False, cu_seqlens=None):
     """The per-token recurrence (for decoding, T small); same arguments and returns as the chunked form."""
-    fla_rec = optional_kernel("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule", q)
+    fla_rec = optional_kernel(*RECURRENT_KERNELS[decay_form(k, g)], q)
     if fla_rec is not None:
-        # keywords: fla's signature is (q, k, v, g, gk, gv, beta, ...)
-        return fla_rec(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
+        # keywords: fla's GDN signature is (q, k, v, g, gk, gv, beta, ...); DeltaNet's has no g
+        return fla_rec(q, k, v, beta=beta, **({} if g is None else {"g": g}), scale=scale, initial_state=initial_state,
                        output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     if cu_seqlens is not None:
         check_packed(q, cu_seqlens, initial_state)
         bounds = cu_seqlens.tolist()
-        parts = [fused_recurrent_gated_delta_rule(*(x[:, a:b] for x in (q, k, v, g, beta)), scale=scale,
-                                                  output_final_state=True) for a, b in zip(bounds, bounds[1:])]
+        parts = [fused_recurrent_gated_delta_rule(*(None if x is None else x[:, a:b] for x in (q, k, v, g, beta)),
+                                                  scale=scale, output_final_state=True)
+                 for a, b in zip(bounds, bounds[1:])]
         o = torch.cat([o for o, _ in parts], dim=1)
         return o, (torch.cat([h for _, h in parts]) if output_final_state else None)
     B, T, H, K = k.shape
     V = v.shape[-1]
     dtype, cd = v.dtype, accumulation_dtype(v.dtype)
     scale = K ** -0.5 if scale is None else scale
-    q, k, v, g, beta = q.to(cd) * scale, k.to(cd), v.to(cd), g.to(cd), beta.to(cd)
+    q, k, v, beta = q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd)
     h = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(cd)
     out = []
     for t in range(T):
-        h = h * g[:, t, :, None, None].exp()
+        if g is not None:
+            h = h * _state_decay(g[:, t].to(cd))
         u = beta[:, t, :, None] * (v[:, t] - (h * k[:, t, :, :, None]).sum(-2))
         h = h + k[:, t, :, :, None] * u[:, :, None, :]
         out.append((h * q[:, t, :, :, None]).sum(-2))
     return torch.stack(out, dim=1).to(dtype), (h if output_final_state else None)
+
+
+def _state_decay(g_t: torch.Tensor) -> torch.Tensor:
+    """exp(g_t) shaped to scale a state [B, H, K, V]: g_t [B, H] (per head) or [B, H, K] (per key channel)."""
+    return g_t.reshape(*g_t.shape[:2], -1, 1).exp()
 
 
 @own_precision
@@ -271,36 +374,43 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     return o, {"A": A, "k_sum": k_sum[:, -1], "v_sum": v_sum[:, -1], "t": t0 + T}
 
 
-FLA_CHUNK_SIZE = 64  # the chunk of fla's chunk_gated_delta_rule (its default; our kernel call passes none)
+FLA_CHUNK_SIZE = 64  # the chunk of fla's chunk_gated_delta_rule and chunk_kda (their default; our calls pass none)
 
 
-def chunk_size_on(device, chunk_size: int, seq_len: int) -> int:
-    """The chunk chunk_gated_delta_rule runs at on `device`: fla's where its kernel runs (CUDA), else
-    min(chunk_size, seq_len) as the PyTorch form takes it."""
-    return FLA_CHUNK_SIZE if kernel_runs("fla.ops.gated_delta_rule", device) else min(chunk_size, seq_len)
+def chunk_size_on(device, chunk_size: int, seq_len: int, per_channel: bool = False) -> int:
+    """The chunk chunk_gated_delta_rule runs at on `device`: fla's where its kernel runs (CUDA; chunk_kda for a
+    decay per key channel), else min(chunk_size, seq_len) as the PyTorch form takes it."""
+    kernel = "fla.ops.kda" if per_channel else "fla.ops.gated_delta_rule"
+    return FLA_CHUNK_SIZE if kernel_runs(kernel, device) else min(chunk_size, seq_len)
 
 
-def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chunk_size: int) -> float:
+def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chunk_size: int,
+                            per_channel: bool = False) -> float:
     """Forward FLOPs per token per head of the chunked (WY) delta rule at chunk C = chunk_size (chunk_size_on),
     the sequence padded to whole chunks, 2 per multiply-add. Per chunk: k k^T and q k^T (C^2 K each); the
     unit-lower-triangular solve against the identity (C (C - 1) / 2 multiply-adds per column, C columns);
     [u | w] = inv [beta v | beta k e^G] (C^2 (V + K)); w S and kd^T vnew in the state recursion and q S (C K V
-    each); the intra-chunk (Gamma o q k^T) vnew (C^2 V)."""
+    each); the intra-chunk (Gamma o q k^T) vnew (C^2 V). A decay per key channel (per_channel) weighs each term
+    of k k^T and q k^T by its own Gamma_ijd (C^2 K more for the two)."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
     chunks = -(-seq_len // C)
     per_chunk = 2 * (2 * C * C * K + C * C * (C - 1) / 2 + C * C * (V + K) + 3 * C * K * V + C * C * V)
+    if per_channel:
+        per_chunk += 2 * C * C * K
     return chunks * per_chunk / seq_len
 
 
 # ---- naive references: the recurrences token by token, straight from the formulas (the tests' oracles, float64)
 def naive_gated_delta(q, k, v, g, beta, scale=None, h=None):
-    """h = h exp(g_t); u = beta_t (v_t - h^T k_t); h = h + k_t u^T; o_t = h^T (scale q_t)."""
+    """h = Diag(exp(g_t)) h; u = beta_t (v_t - h^T k_t); h = h + k_t u^T; o_t = h^T (scale q_t).
+    g: None (no decay), [B, T, H] (per head) or [B, T, H, K] (per key channel)."""
     B, T, H, K = k.shape
     scale = K ** -0.5 if scale is None else scale
     h = q.new_zeros(B, H, K, v.shape[-1]) if h is None else h
     out = []
     for t in range(T):
-        h = h * g[:, t, :, None, None].exp()
+        if g is not None:
+            h = h * g[:, t].reshape(B, H, -1, 1).exp()
         u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", h, k[:, t]))
         h = h + k[:, t, :, :, None] * u[:, :, None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", h, scale * q[:, t]))

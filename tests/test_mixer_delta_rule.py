@@ -1,0 +1,93 @@
+"""The delta-rule mixers beside gdn (deltanet, kda) and allow_neg_eigval on all three, inside a tiny DecoderLM:
+decoding with the cache reproduces the full forward, with and without negative eigenvalues; the op receives
+the decay each mixer declares (none, per head, per key channel) and beta in (0, 2) with the option on; KDA's
+gates and init follow fla's."""
+import pytest
+import torch
+import torch.nn.functional as F
+from test_mixer_gdn import decode_steps, randomise, tiny_model
+
+import model.mixers.gdn as gdn_mixer
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes
+
+DECAY_DIMS = {"deltanet": None, "gdn": 3, "kda": 4}  # g handed to the op: None, [B, T, H], [B, T, H, K]
+
+
+@pytest.fixture
+def op_calls(monkeypatch):
+    """(g's dim or None, max beta) of every chunked and recurrent call the mixers make."""
+    calls = []
+    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):
+        op = getattr(gdn_mixer, name)
+
+        def spy(q, k, v, g, beta, *args, op=op, **kwargs):
+            calls.append((None if g is None else g.dim(), beta.max().item()))
+            return op(q, k, v, g, beta, *args, **kwargs)
+        monkeypatch.setattr(gdn_mixer, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("neg", [False, True], ids=["beta01", "neg_eigval"])
+@pytest.mark.parametrize("prefill", [0, 11])
+@pytest.mark.parametrize("mixer", ["deltanet", "kda", "gdn"])
+def test_decoding_matches_full_forward(mixer, prefill, neg, op_calls):
+    model = tiny_model(mixer, **{mixer: {"chunk_size": 8, "allow_neg_eigval": neg}})
+    randomise(model)
+    with torch.no_grad():
+        for m in model.modules():
+            if hasattr(m, "b_proj"):
+                m.b_proj.weight.mul_(100)  # beta's logits of order one: beta spans (0, 1) or (0, 2)
+    ids = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        full = model(ids).logits
+        torch.testing.assert_close(decode_steps(model, ids, prefill), full, rtol=0, atol=1e-4)
+    dims, betas = zip(*op_calls)
+    assert set(dims) == {DECAY_DIMS[mixer]} and len(dims) == 2 * (21 - prefill + (prefill > 0) + 1)
+    assert (1.2 < max(betas) <= 2) if neg else (max(betas) <= 1)
+
+
+@pytest.mark.parametrize("mixer", ["deltanet", "kda", "gdn"])
+def test_neg_eigval_changes_the_model(mixer):
+    """Same weights, the option on and off: different logits (beta doubled), so the option reaches the op."""
+    ids = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a, b = (tiny_model(mixer, **{mixer: {"allow_neg_eigval": neg}})(ids).logits for neg in (False, True))
+    assert (a - b).abs().max() > 1e-3
+
+
+def test_kda_gate_init_and_options():
+    mixer = tiny_model("kda").layers[0].mixer
+    A, dt = mixer.A_log.exp(), F.softplus(mixer.dt_bias)
+    assert ((A >= 1) & (A <= 16)).all() and ((dt >= 1e-3 - 1e-7) & (dt <= 1e-1 + 1e-7)).all()
+    assert mixer.dt_bias.shape == (mixer.num_v_heads * mixer.head_dim,) and mixer.head_v_dim == mixer.head_dim
+    assert mixer.f_proj[0].out_features == mixer.g_proj[0].out_features == mixer.head_v_dim  # low rank d_v
+    assert (mixer.g_proj[1].bias == 0).all()
+    x = torch.randn(2, 5, 64)
+    g = mixer.decay(x)
+    assert g.shape == (2, 5, mixer.num_v_heads, mixer.head_dim) and (g < 0).all()
+    f = mixer.f_proj(x).view(2, 5, mixer.num_v_heads, -1) + mixer.dt_bias.view(mixer.num_v_heads, -1)
+    torch.testing.assert_close(g, -A[:, None] * F.softplus(f))
+    bounded = tiny_model("kda", kda={"lower_bound": -5.0}).layers[0].mixer
+    assert (bounded.A_log == 0).all()
+    with torch.no_grad():
+        bounded.dt_bias.copy_(torch.linspace(-30, 30, len(bounded.dt_bias)))  # saturating both ways, never past
+    g = bounded.decay(x)
+    f = bounded.f_proj(x).view(g.shape) + bounded.dt_bias.view(g.shape[2:])
+    torch.testing.assert_close(g, -5 * torch.sigmoid(f))  # A_log = 0: exp(A_log) = 1
+    assert ((g >= -5) & (g <= 0)).all() and g.min() < -4.99 and g.max() > -0.01
+    with pytest.raises(ValueError, match=r"^kda lower_bound=1.0; valid: a negative number or null$"):
+        tiny_model("kda", kda={"lower_bound": 1.0})
+
+
+def test_deltanet_has_no_decay_or_gate():
+    names = {n for n, _ in tiny_model("deltanet").layers[0].mixer.named_parameters()}
+    assert not {n for n in names if n.startswith(("A_log", "dt_bias", "a_proj", "g_proj", "f_proj"))}
+    assert "o_norm.weight" in names
+
+
+def test_per_channel_decay_costs_more_flops():
+    kda, gdn = (tiny_model(m, **{m: {"expand_v": 1}}).layers[0].mixer for m in ("kda", "gdn"))
+    assert kda.flops_per_token(1024) == kda.flops_per_token(8192) > 0
+    core = [m.flops_per_token(1024) - m.flops_per_token(1) for m in (kda, gdn)]  # the chunked terms alone
+    assert core[0] > core[1]
