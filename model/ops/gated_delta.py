@@ -242,15 +242,19 @@ def _chunked_per_channel(q, k, v, g, beta, S0, scale, C, resets, ends):
     return o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T], final
 
 
+def sub_block(C: int) -> int:
+    """The sub-block of a chunk of C tokens in _decayed_products: the largest divisor of C up to SUB_BLOCK."""
+    return next(c for c in range(min(SUB_BLOCK, C), 0, -1) if C % c == 0)
+
+
 def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
     """P_ij = sum_d a_id b_jd exp(G_id - G_jd) for i >= j, 0 above the diagonal; a, b, G [..., C, d_k], G the
     cumulative log decay (non-increasing in i). With only non-positive exponents: the chunk is cut into sub-blocks
     of `block` tokens; a pair in different sub-blocks factors through r, the first token of i's sub-block
     (j < r <= i), as (a_i exp(G_i - G_r)) . (b_j exp(G_r - G_j)), a matmul; a pair inside one sub-block takes
-    exp(G_i - G_j) per channel (block^2 d_k numbers per sub-block). block: the largest divisor of C up to
-    SUB_BLOCK."""
+    exp(G_i - G_j) per channel (block^2 d_k numbers per sub-block). block: sub_block(C)."""
     C, K = G.shape[-2:]
-    c = next(c for c in range(min(SUB_BLOCK, C), 0, -1) if C % c == 0)
+    c = sub_block(C)
     nb = C // c
     Gb = G.unflatten(-2, (nb, c))
     ref = Gb[..., :1, :]  # [..., nb, 1, K]
@@ -390,13 +394,14 @@ def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chun
     the sequence padded to whole chunks, 2 per multiply-add. Per chunk: k k^T and q k^T (C^2 K each); the
     unit-lower-triangular solve against the identity (C (C - 1) / 2 multiply-adds per column, C columns);
     [u | w] = inv [beta v | beta k e^G] (C^2 (V + K)); w S and kd^T vnew in the state recursion and q S (C K V
-    each); the intra-chunk (Gamma o q k^T) vnew (C^2 V). A decay per key channel (per_channel) weighs each term
-    of k k^T and q k^T by its own Gamma_ijd (C^2 K more for the two)."""
+    each); the intra-chunk (Gamma o q k^T) vnew (C^2 V). A decay per key channel (per_channel) computes k k^T and
+    q k^T as _decayed_products does: besides the C^2 K matmul across sub-blocks, each pair within a sub-block of c
+    tokens weighs its K terms by their own decays (C c K each)."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
     chunks = -(-seq_len // C)
     per_chunk = 2 * (2 * C * C * K + C * C * (C - 1) / 2 + C * C * (V + K) + 3 * C * K * V + C * C * V)
     if per_channel:
-        per_chunk += 2 * C * C * K
+        per_chunk += 2 * 2 * C * sub_block(C) * K
     return chunks * per_chunk / seq_len
 
 
