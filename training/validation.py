@@ -92,7 +92,10 @@ TRAIN_RULES = {
     "trainer.sample_repetition_penalty": Rule(float, above=0),
     "linearize.transfer_steps": count(),
     "linearize.transfer_loss": Rule(str, choices=("mse", "relative")),
+    "linearize.transfer_target": Rule(str, choices=("mixer_core", "output")),
     "linearize.transfer_trains": Rule(str, choices=("new", "mixer")),
+    "linearize.keep_softmax[]": count(),  # auto:<m> and the indices' range: training/objectives/linearize.py
+    "linearize.select_steps": count(),
     "linearize.distill_steps": count(),
     "linearize.temperature": Rule(float, above=0),
     "linearize.ce_weight": Rule(float, at_least=0),

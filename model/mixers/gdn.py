@@ -50,6 +50,7 @@ class GDNOptions:
 class GatedDeltaNet(nn.Module):
     Options = GDNOptions
     parametrization = "fla"  # as fla's GatedDeltaNet models (model/config.py; docs/blocks.md#parametrization)
+    output_projection = "o_proj"  # y = o_proj(gated norm of the core) (docs/extending.md)
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
