@@ -94,7 +94,6 @@ TRAIN_RULES = {
     "linearize.transfer_loss": Rule(str, choices=("mse", "relative")),
     "linearize.transfer_target": Rule(str, choices=("mixer_core", "output")),
     "linearize.transfer_trains": Rule(str, choices=("new", "mixer")),
-    "linearize.keep_softmax[]": count(),  # auto:<m> and the indices' range: training/objectives/linearize.py
     "linearize.select_steps": count(),
     "linearize.distill_steps": count(),
     "linearize.temperature": Rule(float, above=0),
@@ -196,6 +195,12 @@ def check_train_config(cfg) -> None:
     if tc.max_steps is not None:  # with a budget, training/run.py checks these once it has set the steps
         check_steps(cfg)
     lc = cfg.get("linearize")  # absent from the saved config of a run started before it existed
+    if lc is not None and lc.get("keep_softmax") is not None:
+        from training.objectives.linearize import parse_keep_softmax
+
+        kinds = OmegaConf.to_container(m, resolve=True).get("mixer") or cfg.mixer.name
+        parse_keep_softmax(OmegaConf.to_container(lc, resolve=True)["keep_softmax"],
+                           kinds if isinstance(kinds, list) else [kinds] * m.num_hidden_layers)
     if lc is not None and lc.transfer_steps + lc.distill_steps and not cfg.init_from:
         raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} with "
                          f"init_from=null; valid: init_from=<the softmax teacher: run dir or HF dir>")
