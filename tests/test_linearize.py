@@ -297,7 +297,7 @@ def test_distill_kl_against_a_hand_computation():
 
 
 # through train.py ---------------------------------------------------------------------------------
-STAGES = ["objective=linearize", "mixer=derived_gdn", "linearize.transfer_steps=2", "linearize.distill_steps=2", "trainer.max_steps=6",
+STAGES = ["objective=linearize", "mixer=derived_gdn", "linearize.transfer_target=output", "linearize.transfer_steps=2", "linearize.distill_steps=2", "trainer.max_steps=6",
           "trainer.eval_every=100"]
 
 
@@ -349,7 +349,8 @@ def test_a_stage_boundary_survives_sigterm_and_resume(tmp_path, tiny_run, data_c
     teacher_dir, _ = tiny_run
     run, reference = tmp_path / "sig", tmp_path / "reference"
     constant = ["trainer.schedule=constant", "trainer.warmup_steps=0", "mixer=derived_gdn", f"init_from={teacher_dir}",
-                "objective=linearize", "linearize.transfer_steps=8", "linearize.distill_steps=4"]
+                "objective=linearize", "linearize.transfer_target=output", "linearize.transfer_steps=8",
+                "linearize.distill_steps=4"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWAPLM_CACHE": str(data_cache), "WANDB_MODE": "offline"}
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "logger=wandb", *constant, f"run_dir={run}",
            "trainer.max_steps=100000", "trainer.ckpt_every=100000", "trainer.eval_every=100000"]
