@@ -396,7 +396,7 @@ def test_keep_softmax_auto_through_train_py(tmp_path, tiny_run, data_cache):
     chosen = max(range(2), key=lambda i: gains[i])
     assert [start[f"linearize/select/layer{i}/kept"] for i in range(2)] == [float(i == chosen) for i in range(2)]
     assert start["linearize/select/kl"] > max(gains) > 0
-    assert f"after 2 transfer steps" in printed and f"kept softmax: layers [{chosen}]" in printed
+    assert "after 2 transfer steps" in printed and f"kept softmax: layers [{chosen}]" in printed
     assert OmegaConf.load(run / "config.yaml").linearize.keep_softmax == [chosen]
     expected = ["derived_gdn", "derived_gdn"]
     expected[chosen] = "softmax"
