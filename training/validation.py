@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from model.config import PARAMETRIZATIONS, PER_MIXER
 from training.budget import given_budget
 from training.objectives import OBJECTIVES
+from training.objectives.linearize import TRANSFER_TARGETS, parse_keep_softmax
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,7 @@ TRAIN_RULES = {
     "trainer.sample_repetition_penalty": Rule(float, above=0),
     "linearize.transfer_steps": count(),
     "linearize.transfer_loss": Rule(str, choices=("mse", "relative")),
-    "linearize.transfer_target": Rule(str, choices=("mixer_core", "output")),
+    "linearize.transfer_target": Rule(str, choices=TRANSFER_TARGETS),
     "linearize.transfer_trains": Rule(str, choices=("new", "mixer")),
     "linearize.select_steps": count(),
     "linearize.distill_steps": count(),
@@ -196,8 +197,6 @@ def check_train_config(cfg) -> None:
         check_steps(cfg)
     lc = cfg.get("linearize")  # absent from the saved config of a run started before it existed
     if lc is not None and lc.get("keep_softmax") is not None:
-        from training.objectives.linearize import parse_keep_softmax
-
         kinds = OmegaConf.to_container(m, resolve=True).get("mixer") or cfg.mixer.name
         parse_keep_softmax(OmegaConf.to_container(lc, resolve=True)["keep_softmax"],
                            kinds if isinstance(kinds, list) else [kinds] * m.num_hidden_layers)
