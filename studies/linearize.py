@@ -95,10 +95,14 @@ def best_scratch_lr(out: Path, student: str, lrs: list, seeds: list[int], steps:
     return best_lr(out, f"scratch{steps}", student, lrs, seeds)[0] or lrs[0]
 
 
-def stage_scores(run: Path, transfer: int, distill: int) -> dict[str, float | None]:
+def stage_scores(run: Path) -> dict[str, float | None]:
+    """Val bpb at step 0, at the last step of each stage that ran (as the run logged linearize/stage: a transfer
+    stage with nothing to train is skipped) and at the end."""
     curve = val_curve(run)
-    return {"zero-shot": curve.get(0), "after transfer": curve.get(transfer) if transfer else None,
-            "after distill": curve.get(transfer + distill) if distill else None, "end": end_bpb(run)}
+    stages = {r["step"]: r["linearize/stage"] for r in read_metrics(run) if "linearize/stage" in r}
+    last = {name: max((s for s, v in stages.items() if v == k), default=None) for k, name in enumerate(("transfer", "distill"))}
+    return {"zero-shot": curve.get(0), "after transfer": curve.get(last["transfer"]),
+            "after distill": curve.get(last["distill"]), "end": end_bpb(run)}
 
 
 def main() -> None:
@@ -184,7 +188,7 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
         if lr is None:
             continue
         runs = [d for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))]
-        scores = [stage_scores(d, transfer, distill) for d in runs]
+        scores = [stage_scores(d) for d in runs]
         col = {k: spread([sc[k] for sc in scores if sc[k] is not None], len(seeds)) for k in scores[0]}
         gap = spread([sc["end"] - teacher_bpb for sc in scores], len(seeds))
         scratch_lr, scratch_at_edge = best_lr(out, f"scratch{steps}", student, scratch_lrs[student], seeds[:1])
@@ -205,7 +209,7 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
                   "| transfer / distill / finetune | after transfer | after distill | end |", "|---|---|---|---|"]
         for t, d in [(transfer, distill), *splits]:
             extra = "" if (t, d) == (transfer, distill) else f"_split{t}-{d}"
-            scores = [stage_scores(r, t, d) for r in [run_dir(out, "lin", students[0], seeds[0], lr, extra)] if finished(r)]
+            scores = [stage_scores(r) for r in [run_dir(out, "lin", students[0], seeds[0], lr, extra)] if finished(r)]
             col = {k: spread([sc[k] for sc in scores if sc[k] is not None]) for k in ("after transfer", "after distill", "end")}
             lines.append(f"| {t} / {d} / {steps - t - d} | {col['after transfer']} | {col['after distill']} | {col['end']} |")
     return "\n".join(lines)

@@ -6,6 +6,7 @@ hybrid with softmax attention, at its default options:
   cache is reordered as beam search does (K/V storage reserved 8 positions at a time, so that both cross its growth);
 - a packed row (document positions) equals its documents run alone;
 - init_parameters() reaches every parameter;
+- its output leaves through the nn.Linear its `output_projection` names: y = W c (+ b) of that layer's input c;
 - one step under bf16 autocast gives finite fp32 gradients to every parameter of the mixer;
 - flops_per_token is positive and grows with the context (by more than 10% at 4x the context) exactly where the
   decode cache does;
@@ -100,6 +101,24 @@ def test_init_reaches_every_parameter(layers):
     """Every parameter is written by an init (from_pretrained leaves a missing one as it was allocated)."""
     model = reinitialised_over_nan(lm(layers, perturb=False, tie_word_embeddings=False))
     assert [name for name, p in model.named_parameters() if not p.isfinite().all()] == []
+
+
+@pytest.mark.parametrize("name", MIXERS.names())
+def test_the_output_leaves_through_the_named_projection(name):
+    """`output_projection` names an nn.Linear of the mixer whose input c (recorded by a hook: the core that
+    linearize.transfer_target=mixer_core fits) gives the mixer's output exactly as W c, on packed documents."""
+    from model.layers import AuxCollector, DocumentSegments
+    from training.objectives.linearize import mixer_cores
+
+    mixer = lm([name]).layers[0].mixer
+    projection = getattr(mixer, mixer.output_projection)
+    assert isinstance(projection, torch.nn.Linear)
+    x = torch.randn(*POSITIONS.shape, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), mixer_cores([mixer]) as cores:
+        y = mixer(x, None, AuxCollector(), DocumentSegments(POSITIONS))
+    assert cores[0].shape[-1] == projection.in_features and cores[0].abs().sum() > 0
+    torch.testing.assert_close(torch.nn.functional.linear(cores[0], projection.weight, projection.bias), y,
+                               rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)

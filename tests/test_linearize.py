@@ -21,19 +21,22 @@ from omegaconf import OmegaConf
 from conftest import ROOT, TINY, ddp_launcher, run_train, train_here
 from model import DecoderLM, LMConfig
 from training.checkpoint import load_matching_weights
-from training.objectives.linearize import Linearization, distill_kl, load_teacher, teacher_state_for
+from training.objectives.linearize import (Linearization, distill_kl, kl_with_each_layer_softmax, load_teacher,
+                                          parse_keep_softmax, teacher_state_for, with_softmax_layers)
 from training.metrics import read_metrics
 
 SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=64)
-LINEARIZE = OmegaConf.create({"transfer_steps": 2, "transfer_loss": "mse", "transfer_trains": "new", "distill_steps": 2,
+LINEARIZE = OmegaConf.create({"transfer_steps": 2, "transfer_loss": "mse", "transfer_target": "output",
+                              "transfer_trains": "new", "keep_softmax": None, "select_steps": 0, "distill_steps": 2,
                               "temperature": 1.0, "ce_weight": 0.0})
+CORE = OmegaConf.merge(LINEARIZE, {"transfer_target": "mixer_core"})
 
 
-def teacher(seed=0) -> DecoderLM:
+def teacher(seed=0, **shape) -> DecoderLM:
     """A softmax model whose every tensor is off its init (the norms start at ones in every model)."""
     torch.manual_seed(seed)
-    model = DecoderLM(LMConfig(**SHAPE))
+    model = DecoderLM(LMConfig(**{**SHAPE, **shape}))
     with torch.no_grad():
         for p in model.parameters():
             p.add_(0.1 * torch.randn_like(p))
@@ -45,7 +48,8 @@ GDN_V = {"gdn": {"expand_v": 1}}  # gdn's value heads as wide as the teacher's: 
 
 def student_of(source: DecoderLM, mixer, lc=LINEARIZE, mixer_options=GDN_V) -> tuple[Linearization, dict]:
     torch.manual_seed(1)
-    student = DecoderLM(LMConfig(**SHAPE, mixer=mixer, mixer_options=mixer_options))
+    student = DecoderLM(LMConfig(**{**SHAPE, "num_hidden_layers": source.config.num_hidden_layers}, mixer=mixer,
+                                 mixer_options=mixer_options))
     report = load_matching_weights(student, teacher_state_for(student, source))
     return Linearization(student, source, lc, report["new"]), report
 
@@ -151,6 +155,125 @@ def test_transfer_gives_gradients_to_exactly_the_named_parameters(mixer, trains)
     assert all(p.grad is not None for p in lin.student.parameters())
 
 
+ATTENTION = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight")
+
+
+@pytest.mark.parametrize("trains", ["new", "mixer"])
+def test_mixer_core_freezes_qkvo_and_trains_only_the_students_own(trains):
+    """transfer_target=mixer_core: transfer_trains=new trains exactly gdn's additions (q, k, v and o keep no
+    gradient and do not require one), mixer all but o_proj; one SGD step changes exactly those."""
+    lin, _ = student_of(teacher(), "gdn", OmegaConf.merge(CORE, {"transfer_trains": trains}))
+    mixer_params = {n for n, _ in lin.student.named_parameters() if ".mixer." in n}
+    frozen = {f"layers.{i}.mixer.{name}" for i in range(2) for name in (ATTENTION if trains == "new" else ATTENTION[3:])}
+    expected = ({f"layers.{i}.mixer.{name}" for i in range(2) for name in MIXER_NEW["gdn"]} if trains == "new"
+                else mixer_params - frozen)
+    assert set(lin.transfer_parameters) == expected and frozen <= mixer_params
+    lin.set_stage("transfer")
+    params = dict(lin.student.named_parameters())
+    before = {n: p.detach().clone() for n, p in params.items()}
+    lin(**batch()).loss.backward()
+    assert all(params[n].grad is None and not params[n].requires_grad for n in frozen)
+    assert {n for n, p in params.items() if p.grad is not None} == expected
+    torch.optim.SGD([p for p in params.values() if p.requires_grad], lr=0.1).step()
+    assert {n for n, p in params.items() if not torch.equal(p, before[n])} == expected
+
+
+def test_mixer_core_fits_the_input_of_o_proj():
+    """The mixer_core loss is sum over layers of mean (c_s - c_t)^2, c = the attention core [B, T, H d] computed by
+    hand from each mixer's projections (o_proj(c) is each mixer's output); the output loss is that of o_proj(c)."""
+    source = teacher()
+    lin, _ = student_of(source, "derived_gdn", CORE)
+    out_lin, _ = student_of(source, "derived_gdn")
+    lin.set_stage("transfer"), out_lin.set_stage("transfer")
+    data = batch()
+    from training.objectives.linearize import mixer_io
+
+    with torch.no_grad(), mixer_io(source) as io:
+        source(data["input_ids"], position_ids=data["position_ids"])
+    core_loss, output_loss = 0.0, 0.0
+    for i in range(2):
+        x, segments, y_teacher = io[i]
+        cores = []
+        for mixer in (lin.student.layers[i].mixer, source.layers[i].mixer):
+            q, k, v = mixer.project(x, 0, segments.position_ids)
+            cores.append(mixer.core(q, k, v, None, None, segments).reshape(*x.shape[:2], -1))
+        c_s, c_t = cores
+        torch.testing.assert_close(source.layers[i].mixer.o_proj(c_t), y_teacher, rtol=1e-6, atol=1e-7)
+        core_loss += (c_s - c_t).pow(2).mean().item()
+        output_loss += (lin.student.layers[i].mixer.o_proj(c_s) - y_teacher).pow(2).mean().item()
+    with torch.no_grad():
+        assert lin(**data).loss.item() == pytest.approx(core_loss, rel=1e-5)
+        assert out_lin(**data).loss.item() == pytest.approx(output_loss, rel=1e-5)
+    assert abs(core_loss - output_loss) > 0.1 * core_loss
+
+
+def test_mixer_core_with_nothing_to_train_skips_the_transfer_stage():
+    """derived_gdn adds no parameters: under mixer_core nothing trains, the stage is skipped (distill starts at
+    step 1, the finetune stage gets the transfer's steps) and the plan says so in one line."""
+    from training.objectives.linearize import stage_at, stage_ends
+
+    lin, _ = student_of(teacher(), "derived_gdn", CORE)
+    assert lin.transfer_parameters == [] and lin.plan.transfer_steps == 0
+    assert [stage_at(s, lin.plan) for s in range(5)] == ["distill", "distill", "finetune", "finetune", "finetune"]
+    assert stage_ends(lin.plan, 6) == {2: "distill"}
+    assert lin.describe(6) == ("linearize: no transfer: with transfer_target=mixer_core the mixers of layers [0, 1] "
+                               "have nothing to train (they add no parameters, and q/k/v/o stay the teacher's), so its "
+                               "2 steps go to the stages after it; distill steps 1-2 (T=1, ce_weight=0); finetune steps 3-6")
+
+
+def test_mixer_core_with_an_output_projection_of_its_own_is_one_line():
+    """gdn's default value heads (expand_v 2) make an o_proj that does not load: its core has no teacher target."""
+    with pytest.raises(ValueError) as e:
+        student_of(teacher(), "gdn", CORE, mixer_options={})
+    assert str(e.value) == ("linearize.transfer_target=mixer_core, but layer 0's GatedDeltaNet output projection "
+                            "layers.0.mixer.o_proj is not the teacher's o_proj (new, or of another shape); valid: output, "
+                            "or a student whose output projection loads the teacher's (gdn: mixer.options.expand_v=1)")
+
+
+def test_keep_softmax_parses_and_a_bad_value_is_one_line():
+    kinds = ["derived_gdn", "derived_gdn", "softmax", "derived_gdn"]
+    assert parse_keep_softmax(None, kinds) is None
+    assert parse_keep_softmax("auto:3", kinds) == 3
+    assert parse_keep_softmax([3, 0, 3], kinds) == [0, 3]
+    valid = ("valid: null, a list of layer indices in 0..3, or auto:<m> with 1 <= m <= 3 (the student's non-softmax "
+             "layers)")
+    for bad, shown in [("auto:x", "auto:x"), ("auto:0", "auto:0"), ("auto:4", "auto:4"), ("auto", "auto"),
+                       ([4], "[4]"), ([-1], "[-1]"), (True, "True")]:
+        with pytest.raises(ValueError) as e:
+            parse_keep_softmax(bad, kinds)
+        assert str(e.value) == f"linearize.keep_softmax={shown}; {valid}"
+
+
+def test_the_layer_whose_restoring_lowers_the_kl_most_wins():
+    """A 4-layer derived_gdn student whose layer-2 output projection is made bad (x 8): restoring layer 2 to the
+    teacher's attention gains the most KL. Each KL equals that of a student built with that layer softmax (the
+    teacher's weights), computed by distill_kl."""
+    source = teacher(num_hidden_layers=4)
+    lin, _ = student_of(source, "derived_gdn", CORE)
+    with torch.no_grad():
+        lin.student.layers[2].mixer.o_proj.weight.mul_(8)
+    batches = [batch(0), batch(1)]
+    linear_kl, kls = kl_with_each_layer_softmax(lin.student, source, batches, [0, 1, 2, 3])
+    gains = {i: linear_kl - kl for i, kl in kls.items()}
+    assert max(gains, key=gains.get) == 2 and gains[2] > 2 * max(gains[i] for i in (0, 1, 3)), gains
+
+    def kl_of(model):
+        with torch.no_grad():
+            kl = [distill_kl(model(b["input_ids"], position_ids=b["position_ids"]).logits,
+                             source(b["input_ids"], position_ids=b["position_ids"]).logits,
+                             torch.nn.functional.pad(b["labels"][:, 1:], (0, 1), value=-100), 1.0) for b in batches]
+        return sum(kl).item() / 2  # the batches hold as many targets each
+
+    assert linear_kl == pytest.approx(kl_of(lin.student), rel=1e-5)
+    for i in range(4):
+        hybrid = DecoderLM(LMConfig(**{**SHAPE, "num_hidden_layers": 4}, mixer="derived_gdn"))
+        hybrid.load_state_dict(lin.student.state_dict())
+        with_softmax_layers(hybrid, [i])
+        hybrid.layers[i].mixer.load_state_dict(source.layers[i].mixer.state_dict())
+        assert hybrid.config.layer_mixers[i] == "softmax" and isinstance(hybrid.layers[i].mixer, type(source.layers[i].mixer))
+        assert kls[i] == pytest.approx(kl_of(hybrid.eval()), rel=1e-5), i
+
+
 def test_distill_kl_against_a_hand_computation():
     """T^2 mean over the tokens with a target of sum_v p_t(v) log(p_t(v) / p_s(v)), p = softmax(z / T), written out
     in float64 loops; the position without a target (-100) is left out."""
@@ -174,7 +297,7 @@ def test_distill_kl_against_a_hand_computation():
 
 
 # through train.py ---------------------------------------------------------------------------------
-STAGES = ["objective=linearize", "mixer=derived_gdn", "linearize.transfer_steps=2", "linearize.distill_steps=2", "trainer.max_steps=6",
+STAGES = ["objective=linearize", "mixer=derived_gdn", "linearize.transfer_target=output", "linearize.transfer_steps=2", "linearize.distill_steps=2", "trainer.max_steps=6",
           "trainer.eval_every=100"]
 
 
@@ -226,7 +349,8 @@ def test_a_stage_boundary_survives_sigterm_and_resume(tmp_path, tiny_run, data_c
     teacher_dir, _ = tiny_run
     run, reference = tmp_path / "sig", tmp_path / "reference"
     constant = ["trainer.schedule=constant", "trainer.warmup_steps=0", "mixer=derived_gdn", f"init_from={teacher_dir}",
-                "objective=linearize", "linearize.transfer_steps=8", "linearize.distill_steps=4"]
+                "objective=linearize", "linearize.transfer_target=output", "linearize.transfer_steps=8",
+                "linearize.distill_steps=4"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWAPLM_CACHE": str(data_cache), "WANDB_MODE": "offline"}
     cmd = [sys.executable, str(ROOT / "train.py"), *TINY, "logger=wandb", *constant, f"run_dir={run}",
            "trainer.max_steps=100000", "trainer.ckpt_every=100000", "trainer.eval_every=100000"]
@@ -254,6 +378,30 @@ def test_a_stage_boundary_survives_sigterm_and_resume(tmp_path, tiny_run, data_c
     run_id = (run / "wandb_run_id").read_text().strip()
     folders = sorted((run / "wandb").glob("offline-run-*"))
     assert len(folders) == 2 and all((f / f"run-{run_id}.wandb").exists() for f in folders), folders
+
+
+@pytest.mark.slow
+def test_keep_softmax_auto_through_train_py(tmp_path, tiny_run, data_cache):
+    """keep_softmax=auto:1 after 2 select steps (output target, so derived_gdn's q/k/v/o train in them): the layer
+    with the larger logged KL gain is the one the run keeps softmax, in its printed line, its step-0 metrics, its
+    config.yaml (a list: a resume keeps it) and its exported model; the scores are of the student before it."""
+    teacher_dir, _ = tiny_run
+    run = tmp_path / "auto"
+    printed = train_here(run, "objective=linearize", "mixer=derived_gdn", f"init_from={teacher_dir}",
+                         "linearize.transfer_target=output", "linearize.keep_softmax=auto:1", "linearize.select_steps=2",
+                         "linearize.transfer_steps=2", "linearize.distill_steps=2", "trainer.max_steps=6",
+                         "trainer.sample_tokens=0", cache=data_cache)
+    start = next(r for r in read_metrics(run) if r["step"] == 0 and "val/loss" in r)
+    gains = [start[f"linearize/select/layer{i}/kl_gain"] for i in range(2)]
+    chosen = max(range(2), key=lambda i: gains[i])
+    assert [start[f"linearize/select/layer{i}/kept"] for i in range(2)] == [float(i == chosen) for i in range(2)]
+    assert start["linearize/select/kl"] > max(gains) > 0
+    assert "after 2 transfer steps" in printed and f"kept softmax: layers [{chosen}]" in printed
+    assert OmegaConf.load(run / "config.yaml").linearize.keep_softmax == [chosen]
+    expected = ["derived_gdn", "derived_gdn"]
+    expected[chosen] = "softmax"
+    assert LMConfig.from_pretrained(run / "final").layer_mixers == expected
+    assert f"transfer steps 1-2 on layers [{1 - chosen}]" in printed
 
 
 @pytest.mark.slow

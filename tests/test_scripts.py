@@ -70,7 +70,8 @@ def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch,
     from studies import linearize
 
     overrides = [o for o in TINY_MODEL if o != "logger=none"] + ["trainer.seq_len=64", "trainer.batch_size=4",
-                                                                   "trainer.warmup_steps=1", "trainer.eval_batches=2"]
+                                                                   "trainer.warmup_steps=1", "trainer.eval_batches=2",
+                                                                   "linearize.transfer_target=output"]  # q/k/v/o transfer
     monkeypatch.setenv("SWAPLM_CACHE", str(data_cache))
     monkeypatch.setattr(sys, "argv", ["studies/linearize.py", "--teacher", str(softmax_run), "--out", str(tmp_path),
                                       "--students", "derived_gdn", "--seeds", "0", "--lrs", "1e-3,3e-3", "--steps", "2",

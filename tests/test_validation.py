@@ -147,6 +147,11 @@ def test_bad_eval_value_is_one_line(key, value):
      "linearize.transfer_steps=100 + linearize.distill_steps=30; valid: <= trainer.max_steps=120"),
     (["linearize.distill_steps=30"], "linearize.transfer_steps=0, linearize.distill_steps=30 with init_from=null; "
                                      "valid: init_from=<the softmax teacher"),
+    (["mixer=derived_gdn", "linearize.keep_softmax=auto:5"], "linearize.keep_softmax=auto:5; valid: null, a list of "
+     "layer indices in 0..3, or auto:<m> with 1 <= m <= 4 (the student's non-softmax layers)"),
+    (["model.mixer=[derived_gdn,softmax,gdn,softmax]", "linearize.keep_softmax=auto:x"],
+     "linearize.keep_softmax=auto:x; valid: null, a list of layer indices in 0..3, or auto:<m> with 1 <= m <= 2"),
+    (["linearize.keep_softmax=[1,4]"], "linearize.keep_softmax=[1, 4]; valid: null, a list of layer indices in 0..3"),
 ])
 def test_values_that_do_not_fit_each_other(overrides, message):
     with pytest.raises(ValueError) as e:

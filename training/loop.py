@@ -32,7 +32,7 @@ def train(cfg: DictConfig) -> float:
     phase_ends = run.objective.phase_ends(tc.max_steps)  # {step: the phase that ends there}: logged and evaluated there
     if run.objective.evaluates_at_start and run.step == 0:
         start = evaluate(run)
-        metrics.log({**start, "tokens_seen": 0, "flops_seen": 0}, 0)
+        metrics.log({**start, **run.objective.start_metrics, "tokens_seen": 0, "flops_seen": 0}, 0)
         a.print(f"step 0 (before training): val loss {start['val/loss']:.4f}"
                 + (f", bpb {start['val/bpb']:.4f}" if "val/bpb" in start else ""))
     bar = tqdm(total=tc.max_steps, initial=run.step, disable=not a.is_main_process, dynamic_ncols=True)

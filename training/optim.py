@@ -16,6 +16,7 @@ def param_groups(named_params, weight_decay: float, undecayed: frozenset[str] = 
     """Decay only weight matrices: no decay on norms, biases, embeddings (tied lm_head included),
     the gate parameters A_log / dt_bias / D and the parameters their block declares (`undecayed`,
     declared_undecayed)."""
+    named_params = list(named_params)
     skip = {name for name, p in named_params
             if p.ndim < 2 or "embed_tokens" in name or name.rsplit(".", 1)[-1] in NO_DECAY_NAMES}
     return decay_groups(named_params, weight_decay, skip | undecayed)

@@ -83,7 +83,7 @@ def setup(cfg: DictConfig) -> Run:
         data = build_data(cfg.data, tc.seq_len, cfg.seed)
     eos = data.tokenizer.eos_token_id if data.tokenizer is not None else None
     lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
-    objective = OBJECTIVES.get(cfg.objective)(cfg, lm, state)  # what the run starts from, trains and minimises
+    objective = OBJECTIVES.get(cfg.objective)(cfg, lm, state, data)  # what the run starts from, trains and minimises
     counts = lm.parameter_counts()  # of the whole model, before expert parallelism keeps a rank's share
     costs = StepCosts(objective.flops_schedule(tc.seq_len, device_type()), tc.batch_size * tc.seq_len)
     if budget_line := set_steps_from_budget(cfg, costs):

@@ -15,6 +15,7 @@ from data.state_tracking import TASKS as STATE_TRACKING_TASKS, eval_length
 from model.config import PARAMETRIZATIONS, PER_MIXER
 from training.budget import given_budget
 from training.objectives import OBJECTIVES
+from training.objectives.linearize import TRANSFER_TARGETS, parse_keep_softmax
 
 
 @dataclass(frozen=True)
@@ -93,7 +94,9 @@ TRAIN_RULES = {
     "trainer.sample_repetition_penalty": Rule(float, above=0),
     "linearize.transfer_steps": count(),
     "linearize.transfer_loss": Rule(str, choices=("mse", "relative")),
+    "linearize.transfer_target": Rule(str, choices=TRANSFER_TARGETS),
     "linearize.transfer_trains": Rule(str, choices=("new", "mixer")),
+    "linearize.select_steps": count(),
     "linearize.distill_steps": count(),
     "linearize.temperature": Rule(float, above=0),
     "linearize.ce_weight": Rule(float, at_least=0),
@@ -202,6 +205,10 @@ def check_train_config(cfg) -> None:
     if tc.max_steps is not None:  # with a budget, training/run.py checks these once it has set the steps
         check_steps(cfg)
     lc = cfg.get("linearize")  # absent from the saved config of a run started before it existed
+    if lc is not None and lc.get("keep_softmax") is not None:
+        kinds = OmegaConf.to_container(m, resolve=True).get("mixer") or cfg.mixer.name
+        parse_keep_softmax(OmegaConf.to_container(lc, resolve=True)["keep_softmax"],
+                           kinds if isinstance(kinds, list) else [kinds] * m.num_hidden_layers)
     if lc is not None and lc.transfer_steps + lc.distill_steps and not cfg.init_from:
         raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} with "
                          f"init_from=null; valid: init_from=<the softmax teacher: run dir or HF dir>")

@@ -66,6 +66,7 @@ class DeltaRuleBlock(nn.Module):
     normalize(o [B, T, Hv, d_v], x) -> the normed (and gated) o."""
 
     parametrization = "fla"  # as fla's models of these layers (model/config.py; docs/blocks.md#parametrization)
+    output_projection = "o_proj"  # y = o_proj(the normed core) (docs/extending.md)
 
     def __init__(self, config, layer_idx: int, name: str, opts: DeltaRuleOptions, num_v_heads: int | None = None):
         super().__init__()

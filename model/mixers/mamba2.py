@@ -58,6 +58,7 @@ class Mamba2Options:
 class Mamba2(nn.Module):
     Options = Mamba2Options
     parametrization = "mamba2"  # as transformers' Mamba2 (model/config.py; docs/blocks.md#parametrization)
+    output_projection = "out_proj"  # y = out_proj(gated norm of the scan) (docs/extending.md)
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()

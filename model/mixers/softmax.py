@@ -25,6 +25,7 @@ from model.registry import MIXERS
 @MIXERS.register("softmax")
 class SoftmaxAttention(nn.Module):
     parametrization = "llama"  # the model around it starts as Llama's (model/config.py; docs/blocks.md#parametrization)
+    output_projection = "o_proj"  # the nn.Linear the output leaves through: y = o_proj(core) (docs/extending.md)
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()

@@ -3,15 +3,16 @@ here, registered by name (`@OBJECTIVES.register("<name>")`): a new objective is 
 
 The loop (training/loop.py) sees only this interface:
 
-    objective = OBJECTIVES.get(cfg.objective)(cfg, lm, state)
+    objective = OBJECTIVES.get(cfg.objective)(cfg, lm, state, data)
         loads what the run starts from (init_from's matching weights) and sets what trains (trainer.trainable);
-        state: Accelerate's PartialState (device, distributed type)
+        state: Accelerate's PartialState (device, distributed type); data: the run's (data/types.py Data)
     objective.module              what the loop forwards and Accelerate prepares: forward(input_ids, labels,
                                   position_ids) -> LMOutput whose .loss is minimised, .lm_loss logged as train/loss
     objective.begin_step(step)    before the step that follows `step` steps done, and before a checkpoint saved
                                   after `step + 1` steps is loaded (its optimizer state covers what that step trained)
     objective.phase_ends(max_steps) -> {step: phase}   where a phase ends: the loop logs and evaluates there
     objective.evaluates_at_start  the loop evaluates once before the first step (a student zero-shot)
+    objective.start_metrics       {name: value} logged with that evaluation (what the objective measured at setup)
     objective.leaves_parameters_unused   some steps leave parameters without a gradient (DDP must search)
     objective.describe(max_steps) -> str | None   the plan, printed at the start
     objective.flops_schedule(seq_len, device) -> [(first step, training FLOPs per token)]   what each step costs
@@ -34,8 +35,9 @@ OBJECTIVES = Registry("objective")
 class Objective:
     """Next-token cross-entropy plus the blocks' aux losses, on the model itself."""
     evaluates_at_start = False
+    start_metrics: dict = {}
 
-    def __init__(self, cfg, lm: nn.Module, state):
+    def __init__(self, cfg, lm: nn.Module, state, data):
         from training.checkpoint import load_matching_weights
 
         self.cfg, self.lm = cfg, lm
