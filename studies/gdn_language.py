@@ -10,11 +10,14 @@ seq_len 256, batch 8, one sequence per row as the reference cannot mask document
 cosine to 0.1 lr, clipping at 1; val bpb over the first 160 val sequences (the trainer's 20 batches of 8), with
 the scorer the trainer uses. One thread and one fresh process per run.
 
-Ours, by --variants (VARIANTS): `default` the library's start (parametrization tied) and each reference choice
-applied to it after init: `untied` (fla's parametrization: own lm_head), `dt_one` (softplus(dt_bias) at
-softplus(1), Qwen3-Next's dt_bias=1), `conv_normal` (short-conv kernels N(0, 0.02), as both references),
-`o_unscaled` (o_proj at N(0, 0.02), no 1/sqrt(2L)), `reference_init` (all four). Zero-centred norms make no
-difference here: AdamW does not decay norm weights under the library's rule, and its update does not see the offset.
+Ours, by --variants (VARIANTS): `default` the library's start (parametrization tied, gdn's defaults) and each of
+the reference's choices applied to it after init: `conv_normal` (short-conv kernels N(0, 0.02), as both references
+and gdn's conv_init=normal, where ours draws U(+-1/sqrt(4))), `dt_one` (softplus(dt_bias) at softplus(1),
+Qwen3-Next's dt_bias=1), `untied` (fla's parametrization: own lm_head), `llama` (Llama's: own lm_head and every
+residual write, o_proj and the FFN's down_proj, at N(0, 0.02) without 1/sqrt(2L), as Qwen3-Next), `o_unscaled`
+(o_proj alone at N(0, 0.02)), `reference_init` (llama + dt_one + conv_normal: Qwen3-Next's start). Zero-centred
+norms make no difference here: AdamW does not decay norm weights under the library's rule, and its update does not
+see the offset.
 
 Writes to --out: runs.jsonl (one line per run with its val curve; a rerun skips the runs it holds), table.md (each
 side at its best lr, mean and min-max over seeds, an edge flag where the best is at the edge of the lrs tried) and
@@ -56,9 +59,9 @@ def o_unscaled(mixer) -> None:
 
 
 # variant -> (parametrization, edits of each GDN mixer after the model's init)
-VARIANTS = {"default": ("tied", ()), "untied": ("fla", ()), "dt_one": ("tied", (dt_one,)),
-            "conv_normal": ("tied", (conv_normal,)), "o_unscaled": ("tied", (o_unscaled,)),
-            "reference_init": ("fla", (dt_one, conv_normal, o_unscaled))}
+VARIANTS = {"default": ("tied", ()), "conv_normal": ("tied", (conv_normal,)), "dt_one": ("tied", (dt_one,)),
+            "untied": ("fla", ()), "llama": ("llama", ()), "o_unscaled": ("tied", (o_unscaled,)),
+            "reference_init": ("llama", (dt_one, conv_normal))}
 assert all(p in PARAMETRIZATIONS for p, _ in VARIANTS.values())
 
 

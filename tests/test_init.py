@@ -81,6 +81,17 @@ def test_gdn_inits_as_fla():
     assert torch.equal(mixer.o_norm.weight, torch.ones_like(mixer.o_norm.weight))
 
 
+@pytest.mark.parametrize("mixer", ["gdn", "deltanet", "kda"])
+def test_delta_rule_conv_init_normal_is_fla(mixer):
+    """conv_init=normal: the short-conv kernels at fla's N(0, initializer_range), the rest as before."""
+    torch.manual_seed(0)
+    block = DecoderLM(LMConfig(vocab_size=64, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4,
+                               mixer=mixer, mixer_options={mixer: {"conv_init": "normal"}})).layers[1].mixer
+    for conv in (block.q_conv, block.k_conv, block.v_conv):
+        assert_normal(conv.conv.weight, STD)
+    assert_normal(block.q_proj.weight, STD)
+
+
 def test_mamba2_inits_as_mamba_ssm_with_transformers_decays():
     mixer = build("mamba2").layers[1].mixer
     # PyTorch's nn.Linear / nn.Conv1d defaults, U(+-1/sqrt(fan_in)): at d 128 std 0.051, not 0.02.

@@ -191,14 +191,15 @@ def test_gdn_language_study(tmp_path, capsys, data_cache):
     capsys.readouterr()
     assert study.main(args) == 0
     assert "2 runs, 2 already in" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="unknown --variants 'dt'; valid: default, untied, dt_one"):
+    with pytest.raises(SystemExit, match="unknown --variants 'dt'; valid: default, conv_normal, dt_one"):
         study.main(["--variants", "dt"])
 
 
 def test_gdn_language_variants():
     """Each variant of ours changes what it names, from the library's start, and nothing else: dt_one puts
-    softplus(dt_bias) at softplus(1), conv_normal the short-conv kernels at std 0.02 (from U(+-1/2)), o_unscaled
-    o_proj at std 0.02 (from 0.02 / sqrt(2 L)); untied and reference_init have their own lm_head."""
+    softplus(dt_bias) at softplus(1) (from logU(1e-3, 1e-1)), conv_normal the short-conv kernels at N(0, 0.02) (from
+    U(+-1/2)), o_unscaled o_proj at std 0.02 (from 0.02 / sqrt(2 L)); untied, llama and reference_init have their
+    own lm_head."""
     from studies import gdn_language as study
 
     def build(variant):
@@ -208,7 +209,7 @@ def test_gdn_language_variants():
     default = build("default")
     mixer = default.layers[0].mixer
     assert torch.nn.functional.softplus(mixer.dt_bias).max() <= 0.1 + 1e-6
-    assert mixer.q_conv.conv.weight.std() > 0.2
+    assert mixer.q_conv.conv.weight.std().item() == pytest.approx(0.5 / math.sqrt(3), rel=0.1)
     assert mixer.o_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
     for variant, changed in (("dt_one", "dt_bias"), ("conv_normal", "_conv."), ("o_unscaled", "o_proj")):
         model = build(variant)
@@ -220,7 +221,7 @@ def test_gdn_language_variants():
         else:
             w = m.q_conv.conv.weight if variant == "conv_normal" else m.o_proj.weight
             assert w.std().item() == pytest.approx(0.02, rel=0.1)
-    for variant in ("untied", "reference_init"):
+    for variant in ("untied", "llama", "reference_init"):
         assert not build(variant).config.tie_word_embeddings
 
 

@@ -20,7 +20,10 @@ Ours differs on purpose in two places (in every DeltaRuleBlock):
 - the short-conv kernels keep PyTorch's nn.Conv1d default U(+-1/sqrt(conv_size)), as mamba_ssm's conv,
   where fla's _init_weights gives them N(0, initializer_range) (its ShortConvolution is an nn.Conv1d).
   Four taps of std 0.02 shrink q, k, v an order of magnitude at init; at our widths v then sits
-  near the gated norm's eps, and gdn learns MQAR recall far slower.
+  near the gated norm's eps, and gdn learns MQAR recall far slower. But on the default corpus the uniform
+  kernels, which mix each token with its neighbours at weights of the signal's own size, are what leaves gdn
+  behind Qwen3-Next's GDN layers at equal steps: conv_init=normal gives fla's start
+  (docs/studies/gdn_language.md).
 - o_proj gets std * 1/sqrt(2 L), shared by every block (model/layers.py residual_scale; fla's
   prenorm_residual_strategy="rescale" does the same with a kaiming base).
 """
@@ -49,6 +52,8 @@ class DeltaRuleOptions:
     conv_size: int = option(4, at_least=1)
     chunk_size: int = option(CHUNK_SIZE, at_least=1)
     allow_neg_eigval: bool = option(False)              # beta = 2 sigmoid(W_b x) in (0, 2) (Grazzi et al. 2025)
+    conv_init: str = option("uniform", choices=("uniform", "normal"))  # short-conv kernels: U(+-1/sqrt(conv_size))
+    # (nn.Conv1d's default, mamba_ssm's) or N(0, initializer_range) as fla and Qwen3-Next (docs/studies/gdn_language.md)
 
 
 @dataclass
@@ -76,7 +81,7 @@ class DeltaRuleBlock(nn.Module):
         self.head_dim = opts.head_dim or d // self.num_heads
         self.expand_v = opts.expand_v
         self.num_v_heads = num_v_heads or self.num_heads
-        self.conv_size = opts.conv_size
+        self.conv_size, self.conv_init = opts.conv_size, opts.conv_init
         self.chunk_size = opts.chunk_size
         self.allow_neg_eigval = opts.allow_neg_eigval
         if self.num_v_heads % self.num_heads:
@@ -99,8 +104,11 @@ class DeltaRuleBlock(nn.Module):
             init.normal_(proj.weight, mean=0.0, std=self.init_std)
 
     def init_convs_and_output(self) -> None:
-        for conv in (self.q_conv, self.k_conv, self.v_conv):  # depthwise: fan_in = kernel size
-            init_fan_in_uniform_(conv.conv.weight, self.conv_size)
+        for conv in (self.q_conv, self.k_conv, self.v_conv):
+            if self.conv_init == "uniform":  # depthwise: fan_in = kernel size
+                init_fan_in_uniform_(conv.conv.weight, self.conv_size)
+            else:
+                init.normal_(conv.conv.weight, mean=0.0, std=self.init_std)
         init.normal_(self.o_proj.weight, mean=0.0, std=self.init_std * self.residual_scale)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None, segments=None) -> torch.Tensor:
