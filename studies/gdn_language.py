@@ -20,8 +20,8 @@ norms make no difference here: AdamW does not decay norm weights under the libra
 see the offset.
 
 Writes to --out: runs.jsonl (one line per run with its val curve; a rerun skips the runs it holds), table.md (every
-side in runs.jsonl at --steps, each at its best lr, mean and min-max over seeds, an edge flag where the best is at the edge of the lrs tried) and
-curves.png (val bpb against steps at each side's best lr).
+side in runs.jsonl at --steps, each at its best lr, mean and min-max over seeds, an edge flag where the best is at
+the edge of the lrs tried) and curves.png (val bpb against steps at each side's best lr).
 """
 import argparse
 import json
