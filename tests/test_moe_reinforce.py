@@ -269,7 +269,12 @@ def test_the_temperature_anneals_geometrically():
     assert got == pytest.approx([2.0, 2.0 * 0.25 ** 0.25, 1.0, 2.0 * 0.25 ** 0.75, 0.5, 0.5, 0.5], rel=1e-12)
     r.after_optimizer_step()  # no training forward since the last step: the count stays
     assert r.steps.item() == 7
-    assert router(E=4, k=1).temperature().item() == 1.0
+    default = router(E=4, k=1)  # 1 -> 0.25 over 120 steps
+    assert default.temperature().item() == 1.0
+    default.steps.fill_(60)
+    assert default.temperature().item() == pytest.approx(0.5, rel=1e-12)
+    default.steps.fill_(500)
+    assert default.temperature().item() == 0.25
 
 
 def test_the_token_table_baseline():

@@ -78,8 +78,8 @@ class ReinforceOptions(TokenChoiceGateOptions):
     baseline_decay: float = option(0.99, at_least=0)    # < 1: the token table's moving averages
     policy: str = option("ordered", choices=POLICIES)   # log pi of the ordered draw, or of its set
     temperature_start: float = option(1.0, above=0)     # tau at step 0
-    temperature_end: float = option(1.0, above=0)       # tau from temperature_steps on
-    temperature_steps: int = option(0, at_least=0)      # optimizer steps of the anneal (0: end throughout)
+    temperature_end: float = option(0.25, above=0)      # tau from temperature_steps on
+    temperature_steps: int = option(120, at_least=0)    # optimizer steps of the anneal (0: end throughout)
     weight_decay: bool = option(False)                  # the router weight takes the optimizer's weight decay
     z_loss: bool = option(False)                        # the MoE's z-loss (z_loss_coef) applies to the logits
     policy_grad_to_input: bool = option(False)          # L_pg and L_ent reach the router's input x (the trunk)
