@@ -1,5 +1,6 @@
 """router=reinforce (model/ffn/routers/reinforce.py) in numbers: the REINFORCE gradient against a hand
-computation (k = 1 and Plackett-Luce k = 2, at two temperatures), its sign and size on a rigged case,
+computation (k = 1 and Plackett-Luce k = 2, at two temperatures), its sign and size on a rigged case, the
+policy terms' gradient to the router input (0 unless policy_grad_to_input; G W with it),
 exactly 0 when every reward equals the baseline, the set probability against the sum over orders,
 advantages standardised, greedy evaluation equal to top-k on the same logits, sampling frequencies
 against the tempered policy on 10^5 draws (chi-square), the temperature schedule, sampling seeded per
