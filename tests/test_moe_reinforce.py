@@ -1,5 +1,6 @@
 """router=reinforce (model/ffn/routers/reinforce.py) in numbers: the REINFORCE gradient against a hand
-computation (k = 1 and Plackett-Luce k = 2, at two temperatures), its sign and size on a rigged case,
+computation (k = 1 and Plackett-Luce k = 2, at two temperatures), its sign and size on a rigged case, the
+policy terms' gradient to the router input (0 unless policy_grad_to_input; G W with it),
 exactly 0 when every reward equals the baseline, the set probability against the sum over orders,
 advantages standardised, greedy evaluation equal to top-k on the same logits, sampling frequencies
 against the tempered policy on 10^5 draws (chi-square), the temperature schedule, sampling seeded per
@@ -86,7 +87,7 @@ def test_the_score_function_gradient_on_a_rigged_case():
     on z, summed over the tokens, is -sqrt(q (1 - q)) at expert 2 (a descent step raises its logit) and
     n_i q / (N sqrt(q (1 - q))) at each other expert i (n_i: the tokens that sampled i)."""
     N, E = 400, 4
-    r = router(E, k=1, d=E, baseline="mean")
+    r = router(E, k=1, d=E, baseline="mean", policy_grad_to_input=True)  # the gradient on z = x
     with torch.no_grad():
         r.weight.copy_(torch.eye(E, dtype=F64))  # logits = x
     z = torch.tensor([0.3, -0.2, 0.1, 0.0], dtype=F64)
@@ -104,6 +105,47 @@ def test_the_score_function_gradient_on_a_rigged_case():
     want[2] = -spread
     torch.testing.assert_close(grad.sum(0), want, rtol=1e-6, atol=1e-9)
     assert grad.sum(0)[2] < 0 and (grad.sum(0)[[0, 1, 3]] > 0).all()
+
+
+@pytest.mark.parametrize("policy", ["ordered", "set"])
+def test_the_policy_terms_reach_the_router_input_only_if_asked(policy):
+    """L_pg + L_ent as a function of the logits z = x W^T has gradient G [N, E] on z (by autograd on a
+    recomputation from z). policy_grad_to_input=true: dL/dx = G W and dL/dW = G^T x; false (the default):
+    dL/dx = 0 and dL/dW = G^T x the same, while the gates still carry the LM loss to x."""
+    N, E, d, k = 9, 4, 6, 2
+    x0 = torch.randn(N, d, generator=torch.Generator().manual_seed(3), dtype=F64)
+    ids = torch.arange(N).view(1, N)
+    reward = torch.randn(N, generator=torch.Generator().manual_seed(4), dtype=F64)
+    grads = {}
+    for to_input in (True, False):
+        options = dict(baseline="mean", entropy_coef=0.2, policy=policy, temperature_start=1.5, temperature_end=1.5)
+        r = router(E, k, d, **options, **({"policy_grad_to_input": True} if to_input else {}))
+        assert r.options.policy_grad_to_input is to_input  # false by default
+        x = x0.clone().requires_grad_()
+        aux = AuxCollector()
+        routing = r(x, ids, None, aux)
+        aux.give_token_loss(lambda: -reward, torch.ones(N, dtype=torch.bool))
+        loss = sum(value * coef for name in ("moe/reinforce_loss", "moe/policy_entropy")
+                   for value, coef in aux.losses[name])
+        grads[to_input] = torch.autograd.grad(loss, [x, r.weight], allow_unused=True, retain_graph=True)
+        (gate_grad,) = torch.autograd.grad((routing.gate * torch.arange(N * k)).sum(), x)  # gates sum to 1 per token
+        assert gate_grad.abs().max() > 1e-3  # the gate term reaches the trunk either way
+
+    z = (x0 @ r.weight.detach().t()).requires_grad_()
+    log_policy = (z / 1.5).log_softmax(-1)
+    experts = routing.expert.view(N, k)
+    log_prob = set_log_prob(log_policy, experts) if policy == "set" else sample_log_prob(log_policy, experts)
+    entropy = -(log_policy.exp() * log_policy).sum(-1)
+    advantage = standardized_by_hand(reward, torch.ones(N, dtype=torch.bool))
+    (G,) = torch.autograd.grad(-(advantage * log_prob).mean() - 0.2 * entropy.mean(), z)
+    assert G.abs().max() > 1e-2
+    dx_on, dw_on = grads[True]
+    dx_off, dw_off = grads[False]
+    torch.testing.assert_close(dx_on, G @ r.weight.detach(), rtol=1e-10, atol=1e-12)
+    assert dx_on.abs().max() > 1e-2
+    assert dx_off is None  # no path from L_pg or L_ent to x
+    torch.testing.assert_close(dw_on, G.t() @ x0, rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(dw_off, G.t() @ x0, rtol=1e-10, atol=1e-12)
 
 
 def test_no_policy_gradient_when_every_reward_is_the_baseline():
@@ -228,7 +270,12 @@ def test_the_temperature_anneals_geometrically():
     assert got == pytest.approx([2.0, 2.0 * 0.25 ** 0.25, 1.0, 2.0 * 0.25 ** 0.75, 0.5, 0.5, 0.5], rel=1e-12)
     r.after_optimizer_step()  # no training forward since the last step: the count stays
     assert r.steps.item() == 7
-    assert router(E=4, k=1).temperature().item() == 1.0
+    default = router(E=4, k=1)  # 1 -> 0.25 over 120 steps
+    assert default.temperature().item() == 1.0
+    default.steps.fill_(60)
+    assert default.temperature().item() == pytest.approx(0.5, rel=1e-12)
+    default.steps.fill_(500)
+    assert default.temperature().item() == 0.25
 
 
 def test_the_token_table_baseline():

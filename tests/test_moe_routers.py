@@ -447,14 +447,15 @@ def test_flops_count_the_experts_each_router_runs():
     (dict(router="nope"), f"unknown moe router 'nope'; valid: {', '.join(ROUTERS.names())}"),  # the registry's, sorted
     (dict(router="reinforce", router_options=dict(score_func="sigmoid")),
      "unknown reinforce router option(s) ['score_func']; valid: route_scale, norm_topk_prob, loss_coef, entropy_coef, "
-     "baseline, baseline_decay, policy, temperature_start, temperature_end, temperature_steps, weight_decay, z_loss"),
+     "baseline, baseline_decay, policy, temperature_start, temperature_end, temperature_steps, weight_decay, z_loss, "
+     "policy_grad_to_input"),
     (dict(router="reinforce", router_options=dict(baseline="critic")),
      "unknown reinforce router baseline 'critic'; valid: token_table, self_critical, mean, value"),
     (dict(router="reinforce", router_options=dict(baseline_decay=1.0)), "reinforce router baseline_decay=1.0; valid: 0 <= decay < 1"),
     (dict(router="reinforce", router_options=dict(policy="unordered")),
      "unknown reinforce router policy 'unordered'; valid: ordered, set"),
-    (dict(router="reinforce", router_options=dict(temperature_end=0.5)),
-     "reinforce router temperature_steps=0; valid: > 0 to anneal temperature_start=1.0 to temperature_end=0.5"),
+    (dict(router="reinforce", router_options=dict(temperature_steps=0)),
+     "reinforce router temperature_steps=0; valid: > 0 to anneal temperature_start=1.0 to temperature_end=0.25"),
     (dict(router="reinforce", router_options=dict(temperature_start=0)), "reinforce router temperature_start=0; valid: a number > 0"),
     (dict(router_options=dict(loss_coef=0.1)), "unknown topk router option(s) ['loss_coef']; valid: route_scale, "
                                                "norm_topk_prob, score_func, max_groups_per_token"),

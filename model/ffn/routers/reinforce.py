@@ -15,6 +15,11 @@ experts at training, and is trained by REINFORCE on the token's LM loss.
     L_ent = -entropy_coef mean_t H(pi_t)            (an entropy bonus)
     gates: route_scale softmax(x_t W_r^T)_i of the sampled experts [/ their sum if norm_topk_prob]
 
+The score-function and entropy terms train the policy only: log pi is computed from the router's input
+detached, x_t.detach() W_r^T (policy_grad_to_input=false), so the trunk below the router learns from the LM
+loss (the gate term included) and not from the per-token policy gradient, whose variance is the
+per-token reward's; policy_grad_to_input=true lets it through x as well.
+
 Reward assignment: every layer's router gets the same per-token reward, the final LM loss of that
 token's prediction: each training forward subscribes on the aux channel (`aux.on_token_loss`), which
 `DecoderLM.forward` serves once it knows each token's loss; a layer is credited for the whole model's
@@ -73,10 +78,11 @@ class ReinforceOptions(TokenChoiceGateOptions):
     baseline_decay: float = option(0.99, at_least=0)    # < 1: the token table's moving averages
     policy: str = option("ordered", choices=POLICIES)   # log pi of the ordered draw, or of its set
     temperature_start: float = option(1.0, above=0)     # tau at step 0
-    temperature_end: float = option(1.0, above=0)       # tau from temperature_steps on
-    temperature_steps: int = option(0, at_least=0)      # optimizer steps of the anneal (0: end throughout)
+    temperature_end: float = option(0.25, above=0)      # tau from temperature_steps on
+    temperature_steps: int = option(120, at_least=0)    # optimizer steps of the anneal (0: end throughout)
     weight_decay: bool = option(False)                  # the router weight takes the optimizer's weight decay
     z_loss: bool = option(False)                        # the MoE's z-loss (z_loss_coef) applies to the logits
+    policy_grad_to_input: bool = option(False)          # L_pg and L_ent reach the router's input x (the trunk)
 
 
 def fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -209,10 +215,12 @@ class Reinforce(ScoredRouter):
         """With aux (a training forward), the router's loss waits for each token's LM loss (aux.on_token_loss)."""
         logits = self.logits(x)
         scores = logits.softmax(-1)
-        policy_logits = logits if selection_bias is None else logits + selection_bias.to(logits.dtype)
-        greedy = policy_logits.detach().topk(self.top_k, dim=-1).indices
+        shift = (lambda z: z) if selection_bias is None else (lambda z: z + selection_bias.to(z.dtype))
+        greedy = shift(logits.detach()).topk(self.top_k, dim=-1).indices
         if not self.training:
             return Routing.from_token_choice(greedy, self.token_choice_gates(scores, greedy), logits=logits, probs=scores)
+        # the same values; without policy_grad_to_input, L_pg and L_ent reach W_r but not x
+        policy_logits = shift(logits if self.options.policy_grad_to_input else self.logits(x.detach()))
         if token_ids is None or token_ids.numel() != x.shape[0]:
             raise ValueError("router=reinforce needs the input token ids of the forward's tokens (its sampling is seeded by them)")
         temperature = self.temperature()
