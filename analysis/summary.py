@@ -11,7 +11,7 @@ from training.tracking import schedule_tag
 COLUMNS = ["run", "group", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "train_flops", "budget", "val_loss",
            "val_ppl", "val_bpb", "val_bpb_batch_routing", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s",
            "moe_imbalance", "moe_dead_experts", "moe_unrouted_frac", "moe_token_choice_overlap", "mqar_acc",
-           "state_size", "state_acc", "source"]
+           "state_acc", "state_size", "source"]
 CURVE_AXES = {"tokens": "tokens seen", "time": "wall-clock (s)",
               "flops": "training FLOPs (tokens seen x train FLOPs per token)"}
 
