@@ -14,6 +14,7 @@ from training.validation import leaves
 RUN_ONLY = ("seed", "run_dir", "resume", "init_from", "name")  # a run's own keys: not in the command that extends a grid
 RUN_KEYS = (*RUN_ONLY, "logger")  # differ between runs of one architecture
 BUDGET_KEYS = ("trainer.flops_budget", "trainer.tokens_budget", "trainer.max_steps")
+ACCURACIES = ("mqar_acc", "state_acc")  # the scores where higher is better (val_loss: lower)
 EDGE_TAG = "best-on-grid-edge"  # the W&B tag of the runs at a flagged architecture's best value
 
 
@@ -73,7 +74,7 @@ def value_text(v) -> str:
 @dataclass
 class Architecture:
     label: str
-    score: str  # "mqar_acc" (higher is better) or "val_loss" (lower is better)
+    score: str  # one of ACCURACIES (higher is better) or "val_loss" (lower is better)
     runs: dict = field(default_factory=dict)  # KEY value -> [summary of each seed's run]
     summary: dict = field(default_factory=dict)  # the first run's summary (mixer, d_model, state_size, ...)
     members: dict = field(default_factory=dict)  # KEY value -> [Run of each seed]
@@ -91,7 +92,7 @@ class Architecture:
     @cached_property
     def pick(self) -> Best:
         return best_value({v: [(cfg_get(r.config, "seed"), s[self.score]) for r, s in zip(self.members[v], self.runs[v])]
-                           for v in self.runs}, self.score == "mqar_acc")
+                           for v in self.runs}, self.score in ACCURACIES)
 
     def budget(self) -> str:
         return budget_line([r.config for members in self.members.values() for r in members])
@@ -133,7 +134,7 @@ def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> lis
         ["trainer.max_steps"] if budget(run.config)[0] != "steps" else []))
     archs = []
     for label, (config, members) in zip(labels(groups), groups):
-        score = "mqar_acc" if all(s["mqar_acc"] is not None for _, s in members) else "val_loss"
+        score = next((a for a in ACCURACIES if all(s[a] is not None for _, s in members)), "val_loss")
         arch = Architecture(label, score, summary=members[0][1], config=config)
         for run, s in members:
             arch.runs.setdefault(cfg_get(run.config, key), []).append(s)
@@ -218,7 +219,7 @@ def best_over_sections(archs: list[Architecture], key: str) -> tuple[list[str], 
         warnings += lines
         md += [f"## Best {key} per architecture" + (f", {budget_text}" if budget_text else ""), "",
                best_over_table(group, key), "", *[f"**Warning: {w}**\n" for w in lines],
-               f"score: MQAR accuracy (higher is better) or val loss (lower is better) at the last evaluation, "
+               f"score: MQAR or state-tracking accuracy (higher is better) or val loss (lower is better) at the last evaluation, "
                f"mean and min-max over seeds at the best {key}, which is picked on the seeds that ran at every {key} "
                f"(the means at every {key}); edge: the best is the lowest or highest {key} swept "
                f"(or the only one): the optimum may lie beyond. Every point is in best_{key.replace('.', '_')}/"
@@ -241,9 +242,17 @@ AT_BEST = ("val_bpb", "val_bpb_batch_routing", "moe_imbalance", "moe_dead_expert
            "moe_token_choice_overlap", "tokens_per_sec", "train_flops")
 
 
+def slice_columns(summaries: list[dict]) -> list[str]:
+    """The slices of the accuracies the summaries have (mqar_acc/<len>x<pairs>, state_acc/<len>), in number order."""
+    return sorted({k for s in summaries for k in s if "/" in k and k.partition("/")[0] in ACCURACIES},
+                  key=lambda k: (k.partition("/")[0], tuple(int(x) for x in k.split("/")[1].split("x"))))
+
+
 def at_best_table(archs: list[Architecture], key: str) -> str:
-    """Each architecture's runs at its best value: the mean over seeds of the columns any of them has."""
-    columns = [c for c in AT_BEST if any(s.get(c) is not None for a in archs for s in a.runs[a.pick.value])]
+    """Each architecture's runs at its best value: the mean over seeds of the columns any of them has (the
+    accuracies' slices among them)."""
+    at_best = [s for a in archs for s in a.runs[a.pick.value]]
+    columns = [c for c in (*AT_BEST, *slice_columns(at_best)) if any(s.get(c) is not None for s in at_best)]
     lines = [f"| architecture | best {key} | " + " | ".join(columns) + " |", "|---" * (len(columns) + 2) + "|"]
     for a in archs:
         cells = []

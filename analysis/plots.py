@@ -1,13 +1,13 @@
 """The report's figures, each through common.plots (one SeriesStyle per report: a mixer keeps its colour in every
 figure, an architecture its line style): val metrics against tokens, wall-clock and training FLOPs with one series
-per architecture over its budgets, throughput, MoE load, MQAR accuracy against state size and width, and under
---best-over the score against the swept key."""
+per architecture over its budgets, throughput, MoE load, MQAR accuracy against state size and width, state-tracking accuracy against length, and
+under --best-over the score against the swept key."""
 import re
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from analysis.best import BUDGET_KEYS, RUN_KEYS, Architecture, grouped, labels, numeric, value_text
+from analysis.best import ACCURACIES, BUDGET_KEYS, RUN_KEYS, Architecture, grouped, labels, numeric, value_text
 from analysis.runs import Run, cfg_get
 from analysis.summary import CURVE_AXES, curve
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
@@ -141,8 +141,36 @@ def style_mqar_axes(ax, xlabel: str) -> None:
     ax.grid(alpha=0.3)
 
 
+def plot_state_accuracy(points: list[tuple[str, list[dict]]], out: Path, style: SeriesStyle) -> list[Path]:
+    """state_acc_length.png: state-tracking accuracy against the length band L (prefix lengths (L/2, L]; log2 axis),
+    one line per label through its seeds' mean, their min-max as a band (points: (label, the summaries of its
+    seeds): each architecture at its best value, or each run), and each task's chance (1 / the group's order)."""
+    def at_lengths(seeds):  # per band: [(L, each seed's accuracy)]
+        bands = {k for s in seeds for k in s if k.startswith("state_acc/")}
+        return [[(int(k.split("/")[1]), s[k]) for s in seeds if k in s] for k in bands]
+
+    bands = [(label, at_length) for label, seeds in points if (at_length := at_lengths(seeds))]
+    if not bands:
+        return []
+    fig, ax = pyplot().subplots(figsize=(6.5, 4.5))
+    for label, at_length in bands:
+        mean_band(ax, at_length, label, style(label))
+    for chance in sorted({s["state_chance"] for _, seeds in points for s in seeds if s.get("state_chance")}):
+        ax.axhline(chance, color="black", ls=":", lw=1, label=f"chance {chance:.3g}")
+    lengths = sorted({x for _, at_length in bands for pts in at_length for x, _ in pts})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(x) for x in lengths])
+    ax.minorticks_off()
+    ax.set(xlabel="length L (the band of prefix lengths (L/2, L]; training length: the first)",
+           ylabel="state accuracy", ylim=(0, 1.02))
+    legend_outside(ax)
+    ax.grid(alpha=0.3)
+    return [save_figure(fig, out / "state_acc_length.png")]
+
+
 def score_label(score: str) -> str:
-    return "MQAR accuracy" if score == "mqar_acc" else "val loss (nats/token)"
+    return {"mqar_acc": "MQAR accuracy", "state_acc": "state accuracy (mean over length bands)"}.get(
+        score, "val loss (nats/token)")
 
 
 def plot_best_over(archs: list[Architecture], key: str, out: Path, style: SeriesStyle) -> list[Path]:
@@ -182,7 +210,7 @@ def plot_architectures_together(archs: list[Architecture], key: str, folder: Pat
     and their min-max as a band, one plot per score kind with at least two architectures (e.g. val loss against the
     number of experts per router, as Clark et al. 2022 plot it)."""
     written = []
-    for score in ("val_loss", "mqar_acc"):
+    for score in ("val_loss", *ACCURACIES):
         group = [a for a in archs if a.score == score]
         if len(group) < 2 or not all(numeric(a.means()) for a in group):
             continue

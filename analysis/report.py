@@ -6,9 +6,9 @@ import json
 import re
 from pathlib import Path
 
-from analysis.best import EDGE_TAG, best_over_sections, edge_report, group_architectures
-from analysis.plots import (best_series, plot_best_over, plot_curves, plot_moe_load, plot_mqar, plot_throughput,
-                            series_of)
+from analysis.best import EDGE_TAG, best_over_sections, edge_report, group_architectures, slice_columns
+from analysis.plots import (best_series, plot_best_over, plot_curves, plot_moe_load, plot_mqar, plot_state_accuracy,
+                            plot_throughput, series_of)
 from analysis.runs import Run, cfg_get, read_local
 from analysis.summary import COLUMNS, budget_line, markdown_table, summarize_run
 from analysis.wandb_runs import read_wandb_api, read_wandb_offline, set_tag
@@ -84,8 +84,7 @@ def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_ov
         for at_value in a.runs.values():
             for s in at_value:
                 s.update(architecture=a.label, edge=a.pick.edge)
-    slice_cols = sorted({k for s in summaries for k in s if k.startswith("mqar_acc/")},
-                        key=lambda k: tuple(int(x) for x in k.split("/")[1].split("x")))
+    slice_cols = slice_columns(summaries)
     eval_cols = sorted({k for s in summaries for k in s if k.startswith("eval/")})
     columns = COLUMNS[:-2] + slice_cols + eval_cols + (["architecture", "edge"] if archs else []) + COLUMNS[-2:]
     with (out / "compare.csv").open("w", newline="") as f:
@@ -104,7 +103,9 @@ def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_ov
         notes += set_tag([(run, a.pick.edge is not None and value == a.pick.value) for a in archs
                           for value, members in a.members.items() for run in members], EDGE_TAG)
     plots = (plot_curves(series, out, style) + plot_throughput(summaries, out, style) + plot_moe_load(runs, summaries, out)
-             + plot_mqar(mqar_points, out, style)) if runs else []
+             + plot_mqar(mqar_points, out, style) + plot_state_accuracy(
+                 [(a.label, a.runs[a.pick.value]) for a in archs] or [(s["run"], [s]) for s in summaries], out, style)
+             ) if runs else []
     md = [f"# Comparison of {len(runs)} run(s)", "", f"Budget: {budget_line([r.config for r in runs])}.", ""]
     warnings = []
     if archs:

@@ -1,5 +1,6 @@
 """Per-run numbers: one summary row per run (its blocks, parameters, tokens, training FLOPs, val metrics,
-throughput, MoE routing, MQAR accuracy and decode-state size), the budget it trained for, its curves."""
+throughput, MoE routing, MQAR accuracy and decode-state size, state-tracking accuracy by length band), the budget it
+trained for, its curves."""
 import json
 
 from analysis.runs import Run, cfg_get
@@ -10,7 +11,7 @@ from training.tracking import schedule_tag
 COLUMNS = ["run", "group", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "train_flops", "budget", "val_loss",
            "val_ppl", "val_bpb", "val_bpb_batch_routing", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s",
            "moe_imbalance", "moe_dead_experts", "moe_unrouted_frac", "moe_token_choice_overlap", "mqar_acc",
-           "state_size", "source"]
+           "state_acc", "state_size", "source"]
 CURVE_AXES = {"tokens": "tokens seen", "time": "wall-clock (s)",
               "flops": "training FLOPs (tokens seen x train FLOPs per token)"}
 
@@ -125,14 +126,23 @@ def summarize_run(run: Run) -> dict:
         "wall_s": clock[-1][1] if clock else None, "moe_imbalance": last(rows, "moe/imbalance"),
         "val_bpb_batch_routing": last(rows, "val/batch_routing/bpb"), "moe_dead_experts": last(rows, "moe/dead_experts"),
         "moe_unrouted_frac": last(rows, "moe/unrouted_frac"), "moe_token_choice_overlap": last(rows, "moe/token_choice_overlap"),
-        "mqar_acc": last(rows, "val/mqar_acc"), "state_size": None, "group": run.group or None, "source": run.source,
+        "mqar_acc": last(rows, "val/mqar_acc"), "state_size": None, "state_acc": last(rows, "val/state_acc"),
+        "group": run.group or None, "source": run.source,
         "budget": budget(c)[1], **{k: v for k, v in run.summary.items() if k.startswith("eval/") and isinstance(v, (int, float))},
     }
     if s["mqar_acc"] is not None and c:
         s["state_size"] = state_size(c)
-        final = next(r for r in reversed(rows) if "val/mqar_acc" in r)
-        s.update({k.removeprefix("val/"): v for k, v in final.items() if k.startswith("val/mqar_acc/")})
+        s.update(last_slices(rows, "mqar_acc"))
+    if s["state_acc"] is not None:  # data/state_tracking.py's length bands; chance: 1 / the group's order
+        order = run.info.get("data_info", {}).get("group_order")
+        s.update(last_slices(rows, "state_acc"), state_chance=1 / order if order else None)
     return s
+
+
+def last_slices(rows: list[dict], score: str) -> dict:
+    """The slices (val/<score>/<slice>) logged with the last val/<score>, keyed <score>/<slice>."""
+    final = next(r for r in reversed(rows) if f"val/{score}" in r)
+    return {k.removeprefix("val/"): v for k, v in final.items() if k.startswith(f"val/{score}/")}
 
 
 def curve(run: Run, summary: dict, x: str, metric: str) -> list[tuple[float, float]]:
