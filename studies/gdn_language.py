@@ -38,7 +38,7 @@ import torch
 from analysis.best import best_value, edge_text
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
 from model.config import PARAMETRIZATIONS
-from studies.mqar import Shape, ours, reference
+from studies.mqar import Shape, ours, read_runs, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 D, SHAPE, BATCH, WARMUP, EVAL_SEQUENCES = 256, Shape(layers=4, heads=4, seq_len=256, intermediate_size=768), 8, 10, 160
@@ -229,10 +229,6 @@ def main(argv=None) -> int:
     plot_curves(best, out / "curves.png")
     print((out / "table.md").read_text() + f"wrote table.md and curves.png in {out}")
     return 0
-
-
-def read_runs(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 if __name__ == "__main__":
