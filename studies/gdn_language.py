@@ -24,13 +24,10 @@ side in runs.jsonl at --steps, each at its best lr, mean and min-max over seeds,
 the edge of the lrs tried) and curves.png (val bpb against steps at each side's best lr).
 """
 import argparse
-import json
 import math
 import shlex
-import signal
 import sys
 import time
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
@@ -38,7 +35,7 @@ import torch
 from analysis.best import best_value, edge_text
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
 from model.config import PARAMETRIZATIONS
-from studies.mqar import Shape, ours, read_runs, reference
+from studies.mqar import Shape, ours, read_runs, reference, run_pending
 
 ROOT = Path(__file__).resolve().parents[1]
 D, SHAPE, BATCH, WARMUP, EVAL_SEQUENCES = 256, Shape(layers=4, heads=4, seq_len=256, intermediate_size=768), 8, 10, 160
@@ -211,17 +208,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
-    done = {job_key(r) for r in read_runs(log)}
-    todo = [j for j in jobs if job_key(j) not in done]
-    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {log}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped; {log} keeps the finished runs"))
-    # a fresh process per run: the Qwen3-Next reference's import blocks fla for its process
-    with get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
-        for i, r in enumerate(pool.imap_unordered(run, todo), 1):
-            with log.open("a") as fh:
-                fh.write(json.dumps(r) + "\n")
-            print(f"[{i}/{len(todo)}] {side(r)} lr {r['lr']:g} seed {r['seed']}: val bpb {r['bpb']:.4f} "
-                  f"({r['cpu_s']:.0f} CPU s)", flush=True)
+    run_pending(jobs, run, job_key, log, args.jobs,
+                lambda r: f"{side(r)} lr {r['lr']:g} seed {r['seed']}: val bpb {r['bpb']:.4f}")
     runs = [r for r in read_runs(log) if r["steps"] == args.steps and r["max_documents"] == args.max_documents]
     best = summarize(runs)
     rerun = f"python studies/gdn_language.py --seeds {args.seeds} --steps {args.steps} --out {shlex.quote(str(out))}"

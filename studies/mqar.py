@@ -338,18 +338,9 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = out / "runs.jsonl"
-    done = {job_key(r) for r in read_runs(log)}
-    todo = [j for k, j in jobs.items() if k not in done]
-    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {log}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped; {log} keeps the finished runs"))
-    # a fresh process per run (maxtasksperchild=1): the Qwen3-Next reference's import blocks fla for its process;
-    # leaving the block (or a kill) terminates the workers
-    with get_context("spawn").Pool(args.jobs, maxtasksperchild=1) as pool:
-        for i, r in enumerate(pool.imap_unordered(run, todo), 1):
-            with log.open("a") as fh:
-                fh.write(json.dumps(r) + "\n")
-            print(f"[{i}/{len(todo)}] {r['impl']} {r['mixer']} {r['parametrization']} d{r['d']} lr {r['lr']:g} "
-                  f"seed {r['seed']}: acc {r['acc']:.3f} ({r['cpu_s']:.0f} CPU s)", flush=True)
+    run_pending(list(jobs.values()), run, job_key, log, args.jobs,
+                lambda r: f"{r['impl']} {r['mixer']} {r['parametrization']} d{r['d']} lr {r['lr']:g} seed {r['seed']}: "
+                          f"acc {r['acc']:.3f}")
     runs = [r for r in read_runs(log) if r["steps"] == args.steps and r["d"] in widths and r["parametrization"] in [*pars, "own"]
             and (r["mixer"] in mixers or r["impl"] in [REFERENCE.get(m) for m in mixers])]
     rows = summarize(runs)
@@ -360,6 +351,21 @@ def main(argv=None) -> int:
     plot_zoology(rows, out)
     print((out / "table.md").read_text() + f"wrote table.md, curves.png, mqar_state.png and mqar_width.png in {out}")
     return 0
+
+
+def run_pending(jobs: list[dict], run, key, log: Path, parallel: int, describe) -> None:
+    """run(job) for each job whose key(job) is not in the runs.jsonl `log` yet, `parallel` at once, each in a fresh
+    process (maxtasksperchild=1: a reference's import blocks fla for its process; leaving the block, or a kill,
+    terminates the workers), each result appended to the log as it lands and printed with describe(result)."""
+    done = {key(r) for r in read_runs(log)}
+    todo = [j for j in jobs if key(j) not in done]
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {log}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped; {log} keeps the finished runs"))
+    with get_context("spawn").Pool(parallel, maxtasksperchild=1) as pool:
+        for i, r in enumerate(pool.imap_unordered(run, todo), 1):
+            with log.open("a") as fh:
+                fh.write(json.dumps(r) + "\n")
+            print(f"[{i}/{len(todo)}] {describe(r)} ({r['cpu_s']:.0f} CPU s)", flush=True)
 
 
 def read_runs(path: Path) -> list[dict]:
