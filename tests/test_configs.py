@@ -101,7 +101,7 @@ def test_yaml_options_are_fields_that_differ_from_the_defaults(group):
     ("mixer", "dsa", {"stage": "dense"}, "unknown dsa stage 'dense'; valid: warmup, sparse"),
     ("mixer", "linear", {"feature_map": "relu"}, "unknown linear feature_map 'relu'; valid: identity, elu1"),
     ("mixer", "mamba2", {"state_dim": 8}, "unknown mamba2 option(s) ['state_dim']; valid: expand, head_dim, "
-                                          "state_size, n_groups, conv_size, chunk_size"),
+                                          "state_size, n_groups, conv_size, chunk_size, allow_neg_eigval"),
     ("ffn", "moe", {"capacity_factor": 0}, "moe capacity_factor=0; valid: a number > 0 or null"),
     ("ffn", "moe", {"balance_loss_coef": -1.0}, "moe balance_loss_coef=-1.0; valid: a number >= 0"),
     ("ffn", "moe", {"router": "expert_choice", "router_options": {"capacity_factor": 0}},

@@ -194,8 +194,8 @@ def test_linearization_stages_charge_the_teacher_once_and_what_trains_thrice():
     the transfer trains it); distill: teacher forward + the student's step; finetune: the student's step."""
     from training.objectives.linearize import Linearization
 
-    lc = OmegaConf.create({"transfer_steps": 2, "transfer_loss": "mse", "transfer_trains": "new", "distill_steps": 2,
-                           "temperature": 1.0, "ce_weight": 0.0})
+    lc = OmegaConf.create({"transfer_steps": 2, "transfer_loss": "mse", "transfer_trains": "new",
+                           "transfer_target": "mixer_core", "distill_steps": 2, "temperature": 1.0, "ce_weight": 0.0})
     teacher = one_layer("softmax").requires_grad_(False)
     student = one_layer("gdn", mixer_options={"gdn": {"expand_v": 1}})
     new = ["layers.0.mixer.a_proj.weight", "layers.0.mixer.b_proj.weight"]
