@@ -12,7 +12,8 @@ the scorer the trainer uses. One thread and one fresh process per run.
 
 Ours, by --variants (VARIANTS): `default` the library's start (parametrization tied, gdn's defaults) and each of
 the reference's choices applied to it after init: `conv_normal` (short-conv kernels N(0, 0.02), as both references
-and gdn's conv_init=normal, where ours draws U(+-1/sqrt(4))), `dt_one` (softplus(dt_bias) at softplus(1),
+and gdn's conv_init=normal, where ours draws U(+-1/sqrt(4))), `conv_qk_normal` and `conv_v_normal` (only those
+convs' kernels), `dt_one` (softplus(dt_bias) at softplus(1),
 Qwen3-Next's dt_bias=1), `untied` (fla's parametrization: own lm_head), `llama` (Llama's: own lm_head and every
 residual write, o_proj and the FFN's down_proj, at N(0, 0.02) without 1/sqrt(2L), as Qwen3-Next), `o_unscaled`
 (o_proj alone at N(0, 0.02)), `reference_init` (llama + dt_one + conv_normal: Qwen3-Next's start). Zero-centred
@@ -28,6 +29,7 @@ import math
 import shlex
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -46,9 +48,9 @@ def dt_one(mixer) -> None:
     mixer.dt_bias.data.fill_(1.0)
 
 
-def conv_normal(mixer) -> None:
-    for conv in (mixer.q_conv, mixer.k_conv, mixer.v_conv):
-        conv.conv.weight.data.normal_(0.0, mixer.init_std)
+def conv_normal(mixer, convs: str = "qkv") -> None:
+    for name in convs:
+        getattr(mixer, f"{name}_conv").conv.weight.data.normal_(0.0, mixer.init_std)
 
 
 def o_unscaled(mixer) -> None:
@@ -57,6 +59,8 @@ def o_unscaled(mixer) -> None:
 
 # variant -> (parametrization, edits of each GDN mixer after the model's init)
 VARIANTS = {"default": ("tied", ()), "conv_normal": ("tied", (conv_normal,)), "dt_one": ("tied", (dt_one,)),
+            "conv_qk_normal": ("tied", (partial(conv_normal, convs="qk"),)),
+            "conv_v_normal": ("tied", (partial(conv_normal, convs="v"),)),
             "untied": ("fla", ()), "llama": ("llama", ()), "o_unscaled": ("tied", (o_unscaled,)),
             "reference_init": ("llama", (dt_one, conv_normal))}
 assert all(p in PARAMETRIZATIONS for p, _ in VARIANTS.values())
