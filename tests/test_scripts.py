@@ -191,14 +191,14 @@ def test_gdn_language_study(tmp_path, capsys, data_cache):
     capsys.readouterr()
     assert study.main(args) == 0
     assert "2 runs, 2 already in" in capsys.readouterr().out
-    with pytest.raises(SystemExit, match="unknown --variants 'dt'; valid: default, conv_normal, dt_one"):
+    with pytest.raises(SystemExit, match="unknown --variants 'dt'; valid: default, conv_uniform, conv_qk_uniform"):
         study.main(["--variants", "dt"])
 
 
 def test_gdn_language_variants():
     """Each variant of ours changes what it names, from the library's start, and nothing else: dt_one puts
-    softplus(dt_bias) at softplus(1) (from logU(1e-3, 1e-1)), conv_normal the short-conv kernels at N(0, 0.02) (from
-    U(+-1/2)), o_unscaled o_proj at std 0.02 (from 0.02 / sqrt(2 L)); untied, llama and reference_init have their
+    softplus(dt_bias) at softplus(1) (from logU(1e-3, 1e-1)), conv_uniform the short-conv kernels at U(+-1/2) (from
+    N(0, 0.02)), o_unscaled o_proj at std 0.02 (from 0.02 / sqrt(2 L)); untied, llama and reference_init have their
     own lm_head."""
     from studies import gdn_language as study
 
@@ -209,9 +209,9 @@ def test_gdn_language_variants():
     default = build("default")
     mixer = default.layers[0].mixer
     assert torch.nn.functional.softplus(mixer.dt_bias).max() <= 0.1 + 1e-6
-    assert mixer.q_conv.conv.weight.std().item() == pytest.approx(0.5 / math.sqrt(3), rel=0.1)
+    assert mixer.q_conv.conv.weight.std().item() == pytest.approx(0.02, rel=0.1)
     assert mixer.o_proj.weight.std().item() == pytest.approx(0.02 / math.sqrt(8), rel=0.05)
-    for variant, changed in (("dt_one", "dt_bias"), ("conv_normal", "_conv."), ("o_unscaled", "o_proj")):
+    for variant, changed in (("dt_one", "dt_bias"), ("conv_uniform", "_conv."), ("o_unscaled", "o_proj")):
         model = build(variant)
         differ = {n for (n, a), b in zip(model.named_parameters(), default.parameters()) if not torch.equal(a, b)}
         assert differ and all(changed in n for n in differ), (variant, differ)
@@ -219,8 +219,8 @@ def test_gdn_language_variants():
         if variant == "dt_one":
             assert torch.allclose(m.dt_bias, torch.ones_like(m.dt_bias))
         else:
-            w = m.q_conv.conv.weight if variant == "conv_normal" else m.o_proj.weight
-            assert w.std().item() == pytest.approx(0.02, rel=0.1)
+            w, std = (m.q_conv.conv.weight, 0.5 / math.sqrt(3)) if variant == "conv_uniform" else (m.o_proj.weight, 0.02)
+            assert w.std().item() == pytest.approx(std, rel=0.1)
     for variant in ("untied", "llama", "reference_init"):
         assert not build(variant).config.tie_word_embeddings
 

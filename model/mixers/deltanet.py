@@ -11,7 +11,8 @@ model/ops/gated_delta.py with g = None (on CUDA: fla's chunk_gated_delta_rule wi
 takes no float32, and fused_recurrent_delta_rule to decode).
 
 Init as fla's DeltaNetPreTrainedModel (every projection N(0, initializer_range), the norm's weight 1), with
-DeltaRuleBlock's two deliberate differences (conv kernels, o_proj's residual scale; model/mixers/gdn.py).
+DeltaRuleBlock's short-conv kernels N(0, initializer_range) as fla's and its one deliberate difference, o_proj's
+residual scale (model/mixers/gdn.py).
 """
 from model.layers import RMSNorm
 from model.mixers.gdn import DeltaRuleBlock, DeltaRuleOptions

@@ -14,18 +14,14 @@ Value heads may outnumber query/key heads (num_v_heads, GQA-style): each q/k hea
 num_v_heads / num_heads consecutive value heads. Decoding keeps the three conv tails and the
 recurrent state h [B, Hv, d_k, d_v] in the cache: constant memory.
 
-Init as fla's GatedDeltaNetPreTrainedModel: every projection N(0, initializer_range), A ~ U(0, 16)
-stored as log A, softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4, the gated norm's weight 1.
-Ours differs on purpose in two places (in every DeltaRuleBlock):
-- the short-conv kernels keep PyTorch's nn.Conv1d default U(+-1/sqrt(conv_size)), as mamba_ssm's conv,
-  where fla's _init_weights gives them N(0, initializer_range) (its ShortConvolution is an nn.Conv1d).
-  Four taps of std 0.02 shrink q, k, v an order of magnitude at init; at our widths v then sits
-  near the gated norm's eps, and gdn learns MQAR recall far slower. But on the default corpus the uniform
-  kernels, which mix each token with its neighbours at weights of the signal's own size, are what leaves gdn
-  behind Qwen3-Next's GDN layers at equal steps: conv_init=normal gives fla's start
-  (docs/studies/gdn_language.md).
-- o_proj gets std * 1/sqrt(2 L), shared by every block (model/layers.py residual_scale; fla's
-  prenorm_residual_strategy="rescale" does the same with a kaiming base).
+Init as fla's GatedDeltaNetPreTrainedModel: every projection and the short-conv kernels N(0, initializer_range)
+(fla's ShortConvolution is an nn.Conv1d, which its _init_weights draws with the projections), A ~ U(0, 16) stored
+as log A, softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4, the gated norm's weight 1. conv_init=uniform keeps
+nn.Conv1d's default U(+-1/sqrt(conv_size)) instead, as zoology's MQAR models leave fla's convs and as ours did
+before: on the default corpus it leaves gdn well behind Qwen3-Next's GDN layers at equal steps, and on MQAR it
+is no better (docs/studies/gdn_language.md). One difference on purpose, in every DeltaRuleBlock: o_proj gets
+std * 1/sqrt(2 L), shared by every block (model/layers.py residual_scale; fla's prenorm_residual_strategy="rescale"
+does the same with a kaiming base).
 """
 from dataclasses import dataclass
 
@@ -52,8 +48,8 @@ class DeltaRuleOptions:
     conv_size: int = option(4, at_least=1)
     chunk_size: int = option(CHUNK_SIZE, at_least=1)
     allow_neg_eigval: bool = option(False)              # beta = 2 sigmoid(W_b x) in (0, 2) (Grazzi et al. 2025)
-    conv_init: str = option("uniform", choices=("uniform", "normal"))  # short-conv kernels: U(+-1/sqrt(conv_size))
-    # (nn.Conv1d's default, mamba_ssm's) or N(0, initializer_range) as fla and Qwen3-Next (docs/studies/gdn_language.md)
+    conv_init: str = option("normal", choices=("normal", "uniform"))  # short-conv kernels: N(0, initializer_range)
+    # as fla and Qwen3-Next, or U(+-1/sqrt(conv_size)) (nn.Conv1d's default, zoology's) (docs/studies/gdn_language.md)
 
 
 @dataclass

@@ -15,8 +15,8 @@ computed here and handed to the kernel precomputed).
 
 Init as fla's KDAPreTrainedModel: every projection N(0, initializer_range), the gate's bias 0, A ~ U(1, 16)
 stored as log A (0 with lower_bound), softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4 per (head, key
-channel), the norm's weight 1; with DeltaRuleBlock's two deliberate differences (conv kernels, o_proj's
-residual scale; model/mixers/gdn.py).
+channel), the norm's weight 1; with DeltaRuleBlock's short-conv kernels N(0, initializer_range) as fla's and
+its one deliberate difference, o_proj's residual scale (model/mixers/gdn.py).
 """
 from dataclasses import dataclass
 
