@@ -182,7 +182,7 @@ def plot_curves(best: dict[str, dict], path: Path) -> None:
     fig, ax = pyplot().subplots(figsize=(7, 4.5))
     for name, b in sorted(best.items()):
         label = f"{name} (lr {b['lr']:g})"
-        style.add(label, "gdn")
+        style.add(label, name)  # a colour per side
         at_step = zip(*[[tuple(point) for point in curve] for curve in b["curves"]])
         mean_band(ax, [list(points) for points in at_step], label, style(label))
     ax.set_xlabel("step")
