@@ -137,7 +137,7 @@ def test_trainer_lr_defaults_to_the_mixers_tuned_lr_for_the_optimizer():
     """Each mixer group carries the lr its sweep chose per optimizer; trainer.lr takes it unless set."""
     assert compose_train().trainer.lr == 1e-2  # the default recipe: softmax, Muon
     assert compose_train("optimizer=adamw").trainer.lr == 1e-3
-    assert compose_train("mixer=gdn").trainer.lr == 2e-2
+    assert compose_train("mixer=gdn").trainer.lr == 5e-3
     assert compose_train("mixer=gdn", "optimizer=adamw").trainer.lr == 3e-3
     assert compose_train("mixer=gdn", "optimizer=adamw", "trainer.lr=1e-3").trainer.lr == 1e-3
     for path in sorted((CONFIG_DIR / "mixer").glob("*.yaml")):
