@@ -197,7 +197,7 @@ def resume_with(tmp_path, *overrides):
 
 def test_resume_takes_the_saved_config(tmp_path):
     cfg = resume_with(tmp_path)
-    assert (cfg.mixer.name, cfg.ffn.name, cfg.trainer.max_steps, cfg.trainer.lr) == ("gdn", "moe", 50, 0.02)
+    assert (cfg.mixer.name, cfg.ffn.name, cfg.trainer.max_steps, cfg.trainer.lr) == ("gdn", "moe", 50, 0.005)
     assert cfg.resume == "auto" and cfg.name == "gdn-moe-tiny"
 
 
