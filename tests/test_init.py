@@ -254,11 +254,11 @@ def test_mamba2_memory_path_at_least_mamba_ssm(d):
     assert generic < 0.9 * ours, shares  # the generic N(0, 0.02) in_proj starts the memory path weaker
 
 
-def tiny_mqar_run(mixer: str, seed: int, ids: torch.Tensor, labels: torch.Tensor) -> tuple[float, float]:
+def tiny_mqar_run(mixer: str, seed: int, ids: torch.Tensor, labels: torch.Tensor, vocab: int) -> tuple[float, float]:
     """(query loss, accuracy) on the last 256 sequences after 150 AdamW steps of 32 on the first 2048."""
     adamw = OmegaConf.load(CONFIG_DIR / "optimizer" / "adamw.yaml")
     torch.manual_seed(seed)
-    model = DecoderLM(LMConfig(vocab_size=int(ids.max()) + 1, hidden_size=128, num_hidden_layers=2,
+    model = DecoderLM(LMConfig(vocab_size=vocab, hidden_size=128, num_hidden_layers=2,
                                num_attention_heads=2, max_position_embeddings=ids.shape[1], mixer=mixer,
                                mixer_options={"mamba2": {"head_dim": 16, "state_size": 16, "chunk_size": 16},
                                               "gdn": {"chunk_size": 16}}))
@@ -285,14 +285,13 @@ def test_recurrent_mixers_leave_chance_on_tiny_mqar(mixer):
     """2 layers, d 128, 4 pairs in 32 tokens, 16 values: at chance the query loss is ln 16. Each recurrent
     mixer at its default AdamW lr (trainer.lr's default under optimizer=adamw: lr.adamw in its
     configs/mixer file) must get well below it, and above chance accuracy, within 150 steps, in one of 3
-    seeds: at this size one seed in three stays at chance for gdn under either short-conv start (fla's
-    N(0, 0.02), the default, or nn.Conv1d's uniform; docs/studies/gdn_language.md), so a broken init fails all."""
+    seeds: at this size a single seed of gdn can stay near chance under either short-conv start (fla's
+    N(0, 0.02), the default, or nn.Conv1d's uniform; docs/studies/gdn_language.md), and a broken init fails all."""
     V, S, n = 32, 32, 4
     ids, labels = (torch.from_numpy(a) for a in mqar_slice(2304, S, n, V, 0.01, np.random.Generator(np.random.PCG64(0))))
-    assert int(ids.max()) + 1 == V
     chance, runs = math.log(V // 2), []
     for seed in range(3):
-        runs.append(tiny_mqar_run(mixer, seed, ids, labels))
+        runs.append(tiny_mqar_run(mixer, seed, ids, labels, V))
         loss, acc = runs[-1]
         if loss < chance - 0.3 and acc > 2 / (V // 2):
             return
