@@ -29,17 +29,23 @@ from omegaconf import OmegaConf
 from analysis.best import best_value
 from analysis.runner import ROOT, finished, run_jobs
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
+from model.config import LMConfig
 from training.jobs import compose
 from training.metrics import read_metrics
 
 # student name -> the train.py overrides that make it (gdn: value heads as wide as the teacher's, so that its
-# v and o projections load); the hybrid keeps softmax in layer 1, the layer whose attention derived GDN fits worst
-# zero-shot (studies/linearize_error.py --teacher, docs/studies/linearize.md)
+# v and o projections load). The hybrids keep softmax layers of derived GDN's 4: chosen by hand (hybrid: layer 1, the
+# layer whose attention derived GDN fits worst zero-shot, studies/linearize_error.py --teacher; hybrid2: layers 1
+# and 2) or by the KL gain of restoring each (hybrid_kl<m>: linearize.keep_softmax=auto:<m>, which cannot be trained
+# from scratch: run those with --scratch-lr-factors none --teacher-tokens none)
 STUDENTS = {
     "derived_gdn": ["mixer=derived_gdn"],
     "gdn": ["mixer=gdn", "mixer.options.expand_v=1"],
     "linear": ["mixer=linear"],
     "hybrid": ["mixer=derived_gdn", "model.mixer=[derived_gdn,softmax,derived_gdn,derived_gdn]"],
+    "hybrid2": ["mixer=derived_gdn", "model.mixer=[derived_gdn,softmax,softmax,derived_gdn]"],
+    "hybrid_kl1": ["mixer=derived_gdn", "linearize.keep_softmax=auto:1"],
+    "hybrid_kl2": ["mixer=derived_gdn", "linearize.keep_softmax=auto:2"],
 }
 QUIET = ["logger=none", "trainer.sample_tokens=0"]
 
@@ -95,6 +101,12 @@ def best_scratch_lr(out: Path, student: str, lrs: list, seeds: list[int], steps:
     return best_lr(out, f"scratch{steps}", student, lrs, seeds)[0] or lrs[0]
 
 
+def softmax_layers(run: Path) -> list[int]:
+    """The layers a finished run's student keeps softmax (its exported config's layer_mixers)."""
+    kinds = LMConfig.from_pretrained(run / "final").layer_mixers
+    return [i for i, kind in enumerate(kinds) if kind == "softmax"]
+
+
 def stage_scores(run: Path) -> dict[str, float | None]:
     """Val bpb at step 0, at the last step of each stage that ran (as the run logged linearize/stage: a transfer
     stage with nothing to train is skipped) and at the end."""
@@ -112,7 +124,8 @@ def main() -> None:
     p.add_argument("--students", default="derived_gdn,gdn,linear,hybrid", help=f"some of {', '.join(STUDENTS)}")
     p.add_argument("--seeds", default="0,1")
     p.add_argument("--lrs", default="1e-3", help="linearization lrs (the best is reported)")
-    p.add_argument("--scratch-lr-factors", default="1", help="from-scratch lrs, as factors of each student's default lr")
+    p.add_argument("--scratch-lr-factors", default="1", help="from-scratch lrs, as factors of each student's default lr "
+                                                              "('none': no from-scratch runs)")
     p.add_argument("--steps", type=int, help="steps of each linearization (default: experiment=linearize's)")
     p.add_argument("--split", help="T/D: transfer and distill steps, the rest finetune (default: experiment=linearize's)")
     p.add_argument("--splits", default="", help="other T/D splits, run for the first student at its best lr")
@@ -132,7 +145,7 @@ def main() -> None:
         sys.exit(f"error: --teacher-tokens {unknown} not in --students; valid: {', '.join(students)} or none")
     seeds = [int(s) for s in args.seeds.split(",")]
     lrs = [float(x) for x in args.lrs.split(",")]
-    factors = [float(x) for x in args.scratch_lr_factors.split(",")]
+    factors = [] if args.scratch_lr_factors == "none" else [float(x) for x in args.scratch_lr_factors.split(",")]
     experiment = OmegaConf.load(ROOT / "configs" / "experiment" / "linearize.yaml")
     steps = args.steps or experiment.trainer.max_steps
     transfer, distill = ((int(x) for x in args.split.split("/")) if args.split
@@ -160,7 +173,7 @@ def main() -> None:
                + [scratch(st, seeds[0], lr, steps) for st in students for lr in scratch_lrs[st]], args.jobs)
         launch([linearized(st, s, best_lr(out, "lin", st, lrs, seeds[:1])[0]) for st in students for s in seeds[1:]]
                + [scratch(st, s, best_scratch_lr(out, st, scratch_lrs[st], seeds[:1], steps), steps)
-                  for st in students for s in seeds[1:]], args.jobs)
+                  for st in students if scratch_lrs[st] for s in seeds[1:]], args.jobs)
         if splits:  # at the first student's best lr, which the runs above found
             lr, _ = best_lr(out, "lin", students[0], lrs, seeds[:1])
             launch([linearized(students[0], seeds[0], lr, t, d, f"_split{t}-{d}") for t, d in splits], args.jobs)
@@ -182,7 +195,7 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
              f"finetune {finetune}. Val bpb, mean (min-max) over seeds {seeds}, each at the lr that was best on seed {seeds[0]}.", "",
              "| student | lr | zero-shot | after transfer | after distill | linearized | gap to teacher | "
              f"scratch, {steps} steps (lr) | scratch, {teacher_steps} steps (seed {seeds[0]}) |", "|---" * 9 + "|"]
-    lr_rows = []
+    lr_rows, kept_rows = [], []
     for student in students:
         lr, edge = best_lr(out, "lin", student, lrs, seeds[:1])  # chosen on the grid's seed
         if lr is None:
@@ -192,17 +205,24 @@ def report_tables(out, teacher, students, seeds, lrs, scratch_lrs, steps, transf
         col = {k: spread([sc[k] for sc in scores if sc[k] is not None], len(seeds)) for k in scores[0]}
         gap = spread([sc["end"] - teacher_bpb for sc in scores], len(seeds))
         scratch_lr, scratch_at_edge = best_lr(out, f"scratch{steps}", student, scratch_lrs[student], seeds[:1])
-        scratch_lr = scratch_lr or scratch_lrs[student][0]
-        equal = [end_bpb(d) for s in seeds if finished(d := run_dir(out, f"scratch{steps}", student, s, scratch_lr))]
+        scratch_lr = scratch_lr or (scratch_lrs[student] or [None])[0]
+        equal = [end_bpb(d) for s in seeds if scratch_lr is not None
+                 and finished(d := run_dir(out, f"scratch{steps}", student, s, scratch_lr))]
         long = [end_bpb(d) for d in [run_dir(out, f"scratch{teacher_steps}", student, seeds[0], default_lr(student, extra))]
                 if finished(d)]
         shown_lr = f"{lr:g}" + (" (edge of grid)" if edge else "")
-        scratch_edge = " (edge of grid)" if scratch_at_edge else ""
+        scratch = "-" if scratch_lr is None else (f"{spread(equal, len(seeds))} ({scratch_lr:g}"
+                                                  + " (edge of grid)" * scratch_at_edge + ")")
         lines.append(f"| {student} | {shown_lr} | {col['zero-shot']} | {col['after transfer']} | {col['after distill']} | "
-                     f"{col['end']} | {gap} | {spread(equal, len(seeds))} ({scratch_lr:g}{scratch_edge}) | {spread(long)} |")
+                     f"{col['end']} | {gap} | {scratch} | {spread(long)} |")
+        if kept := {s: softmax_layers(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, lr))}:
+            if any(kept.values()):
+                kept_rows.append(f"{student}: " + ", ".join(f"seed {s}: {layers}" for s, layers in kept.items()))
         for x in lrs:
             ends = [end_bpb(d) for s in seeds if finished(d := run_dir(out, "lin", student, s, x))]
             lr_rows.append(f"| {student} | {x:g} | {spread(ends)} |")
+    if kept_rows:
+        lines += ["", "Softmax layers each hybrid kept (at its best lr):", "", *(f"- {row}" for row in kept_rows)]
     lines += ["", "Linearization at each lr (val bpb at the end):", "", "| student | lr | val bpb |", "|---|---|---|", *lr_rows]
     if splits and (lr := best_lr(out, "lin", students[0], lrs, seeds[:1])[0]) is not None:
         lines += ["", f"Stage splits of {students[0]} at lr {lr:g} ({steps} steps each, seed {seeds[0]}):", "",
@@ -247,6 +267,8 @@ def plot_curves(out, teacher, students, seeds, lrs, scratch_lrs, steps, teacher_
         shown += [statistics.mean(y for _, y in p) for p in points]
         for n in (steps, teacher_steps):
             grid = scratch_lrs[student] if n == steps else [default_lr(student, extra)]  # teacher's tokens: default lr
+            if not grid:
+                continue
             label = f"from scratch, {n} steps"
             points = at_steps([run_dir(out, f"scratch{n}", student, s, best_scratch_lr(out, student, grid, seeds[:1], n))
                                for s in seeds])

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from conftest import TINY, ddp_launcher
 from model.registry import MIXERS, ROUTERS
@@ -97,6 +98,30 @@ def test_linearize_study(tmp_path, softmax_run, data_cache, capsys, monkeypatch,
     assert not list(tmp_path.glob("*_s1*"))
     (row,) = [r for r in table_rows((tmp_path / "table.md").read_text()) if r[0] == "derived_gdn"][:1]
     assert row[5].endswith("[1 of 2 seeds]"), row
+
+
+def test_linearize_study_kl_chosen_hybrid(tmp_path, softmax_run, data_cache, capsys, monkeypatch, jobs_here):
+    """A hybrid whose softmax layer the KL picks (keep_softmax=auto:1), with no from-scratch runs (it has no
+    from-scratch form): the table's scratch column is empty, and the layer the selection kept, read back from the
+    run's exported student, is listed under the table."""
+    from studies import linearize
+
+    overrides = [o for o in TINY_MODEL if o != "logger=none"] + ["trainer.seq_len=64", "trainer.batch_size=4",
+                                                                   "trainer.warmup_steps=1", "trainer.eval_batches=2"]
+    monkeypatch.setenv("SWAPLM_CACHE", str(data_cache))
+    monkeypatch.setattr(sys, "argv", ["studies/linearize.py", "--teacher", str(softmax_run), "--out", str(tmp_path),
+                                      "--students", "hybrid_kl1", "--seeds", "0", "--lrs", "1e-3", "--steps", "2",
+                                      "--split", "0/1", "--scratch-lr-factors", "none", "--teacher-tokens", "none",
+                                      "--", *overrides])
+    linearize.main()
+    stdout = capsys.readouterr().out
+    assert "running 1," in stdout and "FAILED" not in stdout, stdout[-3000:]
+    assert not list(tmp_path.glob("scratch*"))
+    (row,) = [r for r in table_rows((tmp_path / "table.md").read_text()) if r[0] == "hybrid_kl1"][:1]
+    assert row[7] == "-" and row[8] == "-", row
+    chosen = OmegaConf.load(tmp_path / "lin_hybrid_kl1_lr0.001_s0" / "config.yaml").linearize.keep_softmax
+    assert len(chosen) == 1
+    assert f"- hybrid_kl1: seed 0: {list(chosen)}" in (tmp_path / "table.md").read_text()
 
 
 def test_dsa_study_every_stage(tmp_path, softmax_run, data_cache, monkeypatch, jobs_here):
