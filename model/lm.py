@@ -235,6 +235,12 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
             parts[f"layers.{i}.ffn"] = block.ffn.flops_per_token()
         return parts
 
+    def eval_forwards_per_step(self) -> int:
+        """Whole-model forwards in evaluation mode (no grad) that a training forward runs beside its own: 1 where
+        a block asks for each token's loss under it (`needs_eval_forward`: router=reinforce's self-critical
+        baseline, eval_token_loss), else 0."""
+        return int(any(getattr(m, "needs_eval_forward", False) for m in self.modules()))
+
     def leaves_parameters_unused(self) -> bool:
         """True if a training step may leave some parameter without a gradient (a block declares
         `may_leave_parameters_unused`), so DDP must search the graph for unused parameters."""

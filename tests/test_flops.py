@@ -179,6 +179,33 @@ def test_frozen_parts_are_charged_their_forward():
     assert training_flops_per_token(lm, 128, "cpu") == pytest.approx(TRAINED * lm.flops_per_token(128, "cpu"))
 
 
+def test_a_self_critical_router_charges_the_models_evaluation_forward():
+    """router=reinforce with baseline=self_critical runs the whole model once more without grad per training
+    forward: charged 1x the model's forward on top of 3x, where another baseline adds nothing. What runs, by
+    FlopCounterMode over a training forward and backward: self_critical's count less mean's is the count of
+    one evaluation forward."""
+    def reinforce_lm(baseline):
+        return one_layer("softmax", ffn="moe", ffn_options={"moe": {
+            "router": "reinforce", "num_experts": 4, "top_k": 2, "expert_intermediate_size": 32,
+            "router_options": {"baseline": baseline}}}).train()
+
+    def counted(step):
+        with FlopCounterMode(display=False) as counter:
+            step()
+        return counter.get_total_flops()
+
+    ids = torch.randint(0, 64, (1, 64), generator=torch.Generator().manual_seed(0))
+    critical, mean = reinforce_lm("self_critical"), reinforce_lm("mean")
+    assert (critical.eval_forwards_per_step(), mean.eval_forwards_per_step()) == (1, 0)
+    forward = critical.flops_per_token(64, "cpu")
+    assert forward == mean.flops_per_token(64, "cpu")
+    assert training_flops_per_token(critical, 64, "cpu") == pytest.approx((TRAINED + 1) * forward)
+    assert training_flops_per_token(mean, 64, "cpu") == pytest.approx(TRAINED * forward)
+    extra = counted(lambda: critical(ids, labels=ids).loss.backward()) - counted(lambda: mean(ids, labels=ids).loss.backward())
+    with torch.no_grad():
+        assert extra == counted(lambda: critical.eval()(ids)) > 0
+
+
 def test_tied_lm_head_trains_with_the_embedding():
     """The lm_head of tied embeddings is charged as trained when the embedding trains (one parameter)."""
     lm = one_layer("softmax", tie_word_embeddings=True)

@@ -408,6 +408,29 @@ def test_the_router_weight_takes_no_weight_decay_and_no_z_loss_unless_asked():
         assert got == coef and z.item() > 0  # logged either way
 
 
+@pytest.mark.parametrize("options,matmuls", [({}, 2), ({"policy_grad_to_input": True}, 1),
+                                             ({"baseline": "value"}, 2)])
+def test_flops_count_the_training_forwards_matmuls(options, matmuls):
+    """flops_per_token against torch's FlopCounterMode over a training forward: the logits, again from the
+    detached input unless policy_grad_to_input, and the value head's v . x (a matrix-vector product, which the
+    counter does not see unless told: 2 FLOPs per multiply-add); evaluation runs the logits only."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    def mv_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+        return 2 * a_shape[0] * a_shape[1]
+
+    N, E, d = 9, 4, 6
+    r = router(E, 2, d, **options)
+    x = torch.randn(N, d, dtype=F64)
+    ids = torch.arange(N).view(1, N)
+    with FlopCounterMode(display=False, custom_mapping={torch.ops.aten.mv: mv_flops}) as counter:
+        reinforce_losses(r, x, ids, torch.rand(N, dtype=F64))
+    assert counter.get_total_flops() / N == r.flops_per_token() == 2 * d * E * matmuls + 2 * d * (r.value is not None)
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        r.eval()(x, ids)
+    assert counter.get_total_flops() / N == 2 * d * E
+
+
 def test_sample_log_prob_sums_the_slots():
     logits = torch.tensor([[0.5, -1.0, 2.0]], dtype=F64)
     p = logits.softmax(-1)[0]

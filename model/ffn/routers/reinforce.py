@@ -203,6 +203,20 @@ class Reinforce(ScoredRouter):
         """The parameters the optimizer does not decay (training/optim.py declared_undecayed)."""
         return () if self.options.weight_decay else ("weight",)
 
+    def flops_per_token(self) -> float:
+        """Forward FLOPs of a training step's routing: the logits x W_r^T, again from the detached input for the
+        policy unless policy_grad_to_input, and the value head's v . x (baseline=value). Evaluation and decoding
+        run the first matmul only; a step is what budgets and MFU count."""
+        d, E = self.in_features, self.num_experts
+        again = 0 if self.options.policy_grad_to_input else 2 * d * E
+        return 2 * d * E + again + (2 * d if self.value is not None else 0)
+
+    @property
+    def needs_eval_forward(self) -> bool:
+        """baseline=self_critical: each training forward also runs the whole model once in evaluation mode
+        (DecoderLM.eval_forwards_per_step)."""
+        return self.options.baseline == "self_critical"
+
     def temperature(self) -> torch.Tensor:
         """tau at this optimizer step: start (end / start)^min(step / temperature_steps, 1)."""
         o = self.options
