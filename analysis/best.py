@@ -112,18 +112,18 @@ def grouped(items: list[tuple[Run, dict]], dropped) -> list[tuple[dict, list[tup
 
 
 def labels(groups: list[tuple[dict, list]]) -> list[str]:
-    """'<mixer>-<ffn>-d<width>' of each group's first run; groups with the same blocks and width are named by the
-    options in which they differ from the first of them."""
-    out, seen = [], {}  # label -> the flat config of the first group with it
+    """'<mixer>-<ffn>-d<width>' of each group's first run; where several groups share it, each is named by the
+    options in which those groups differ (all of them, the first included: 'gdn-dense-d64 allow_neg_eigval=False')."""
+    bases = []
     for config, members in groups:
         first = members[0][1]
-        label = "-".join(str(first[c]) for c in ("mixer", "ffn") if first[c]) + f"-d{first['d_model']}"
-        if label in seen:
-            base = seen[label]
-            label += " " + ",".join(f"{k.rpartition('.')[2]}={value_text(config.get(k))}"
-                                    for k in sorted(base.keys() | config.keys()) if base.get(k) != config.get(k))
-        seen.setdefault(label, config)
-        out.append(label)
+        bases.append("-".join(str(first[c]) for c in ("mixer", "ffn") if first[c]) + f"-d{first['d_model']}")
+    out = []
+    for base, (config, _) in zip(bases, groups):
+        shared = [c for b, (c, _) in zip(bases, groups) if b == base]
+        differing = sorted(k for k in set().union(*shared) if len({value_text(c.get(k)) for c in shared}) > 1)
+        out.append(" ".join([base, ",".join(f"{k.rpartition('.')[2]}={value_text(config.get(k))}" for k in differing)])
+                   if differing else base)
     return out
 
 

@@ -294,9 +294,9 @@ def test_compare_best_over_lr_with_seeds(tmp_path):
     assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.001 | single value | 2.4 | 2.4-2.4 | 2 | 0.001: 2.4 (0, 1) |" in md
     # and the other columns at the best lr, means over the seeds (tokens/s: 20 and 40 after the first log)
     assert "| softmax-dense-d32 warmup_steps=7 | 0.001 | 30 |" in md
-    assert "| softmax-dense-d32 | val_loss | 0.001 | low edge | 2.1 | 2-2.2 | 2 | 0.001: 2.1, 0.003: 2.5, 0.01: 3.1 (0, 1) |" in md
+    assert "| softmax-dense-d32 warmup_steps=10 | val_loss | 0.001 | low edge | 2.1 | 2-2.2 | 2 | 0.001: 2.1, 0.003: 2.5, 0.01: 3.1 (0, 1) |" in md
     assert md.count("| gdn_") + md.count("| softmax_") == 12  # every run stays in the full table
-    for arch in ("gdn-dense-d32", "softmax-dense-d32"):
+    for arch in ("gdn-dense-d32", "softmax-dense-d32_warmup_steps=10"):
         assert (out / "best_trainer_lr" / f"{arch}.png").stat().st_size > 1000
     # the two val-loss architectures on one axis; gdn alone has MQAR accuracy, so no all_mqar_acc.png
     assert (out / "best_trainer_lr" / "all_val_loss.png").stat().st_size > 1000
@@ -398,28 +398,28 @@ def test_compare_best_over_flags_the_grid_edge(tmp_path, capsys):
     out = tmp_path / "report"
     assert compare_script.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
     md = (out / "compare.md").read_text()
-    assert "| softmax-dense-d32 | val_loss | 0.02 | high edge | 2.65 |" in md
+    assert "| softmax-dense-d32 warmup_steps=10 | val_loss | 0.02 | high edge | 2.65 |" in md
     assert "| gdn-dense-d32 | val_loss | 0.005 | low edge | 2.55 |" in md
     assert "| mamba2-dense-d32 | val_loss | 0.01 | - | 2.05 |" in md
     assert "| softmax-dense-d32 warmup_steps=7 | val_loss | 0.01 | single value | 2.4 |" in md
-    extend = {"softmax-dense-d32": "python scripts/sweep.py mixer=softmax ++logger.group=g trainer.lr=0.04 seed=0,1",
+    extend = {"softmax-dense-d32 warmup_steps=10": "python scripts/sweep.py mixer=softmax ++logger.group=g trainer.lr=0.04 seed=0,1",
               "gdn-dense-d32": "python scripts/sweep.py mixer=gdn trainer.warmup_steps=10 trainer.lr=0.0025 seed=0,1",
               "softmax-dense-d32 warmup_steps=7": "python scripts/sweep.py mixer=softmax trainer.warmup_steps=7 "
                                                   "trainer.lr=0.005,0.02 seed=0,1"}
-    assert ("**Warning: softmax-dense-d32: best trainer.lr 0.02 is at the high edge of the grid (0.005, 0.01, 0.02); "
-            f"extend it: {extend['softmax-dense-d32']}**") in md
+    assert ("**Warning: softmax-dense-d32 warmup_steps=10: best trainer.lr 0.02 is at the high edge of the grid (0.005, 0.01, "
+            f"0.02); extend it: {extend['softmax-dense-d32 warmup_steps=10']}**") in md
     console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning: ")]
     assert len(console) == 3 and all(any(line.endswith(f"extend it: {cmd}") for line in console) for cmd in extend.values())
     assert not any("mamba2" in line for line in console)
     rows = list(csv.DictReader((out / "compare.csv").open()))
     assert {(r["architecture"], r["edge"]) for r in rows} == {
-        ("softmax-dense-d32", "high edge"), ("gdn-dense-d32", "low edge"), ("mamba2-dense-d32", ""),
+        ("softmax-dense-d32 warmup_steps=10", "high edge"), ("gdn-dense-d32", "low edge"), ("mamba2-dense-d32", ""),
         ("softmax-dense-d32 warmup_steps=7", "single value")}
     report = {a["architecture"]: a for a in json.loads((out / "best_over.json").read_text())}
-    assert report["softmax-dense-d32"]["beyond"] == [pytest.approx(0.04)] and report["gdn-dense-d32"]["best"] == 5e-3
+    assert report["softmax-dense-d32 warmup_steps=10"]["beyond"] == [pytest.approx(0.04)] and report["gdn-dense-d32"]["best"] == 5e-3
     assert report["mamba2-dense-d32"]["edge"] is None and report["mamba2-dense-d32"]["command"] is None
     assert {name: report[name]["command"] for name in extend} == extend
-    assert sorted(report["softmax-dense-d32"]["best_runs"]) == ["softmax_0.02_0", "softmax_0.02_1"]
+    assert sorted(report["softmax-dense-d32 warmup_steps=10"]["best_runs"]) == ["softmax_0.02_0", "softmax_0.02_1"]
 
 
 @pytest.mark.slow
@@ -539,7 +539,8 @@ def test_every_figure_draws_an_architecture_in_its_colour(tmp_path, plotted):
         (runs / name / "final" / "eval").mkdir()
         (runs / name / "final" / "eval" / "eval.json").write_text(json.dumps(eval_report()))
     compare([runs], tmp_path / "report")
-    gdn, softmax, warm = "gdn-dense-d32 (1-2 seeds)", "softmax-dense-d32 (1 seed)", "gdn-dense-d32 warmup_steps=7 (1 seed)"
+    gdn, softmax, warm = ("gdn-dense-d32 warmup_steps=10 (1-2 seeds)", "softmax-dense-d32 (1 seed)",
+                          "gdn-dense-d32 warmup_steps=7 (1 seed)")
     curves = plotted.styles["val_loss_tokens.png"]
     assert list(curves) == [gdn, warm, softmax]  # runs in folder order
     # the gdn series: its two seeds' mean at 10 steps, then its 20-step run's end
@@ -700,17 +701,17 @@ def test_compare_best_over_lr_of_state_accuracy(tmp_path, plotted):
     out = tmp_path / "report"
     assert compare_script.main([str(runs), "--out", str(out), "--best-over", "trainer.lr"]) == 0
     md = (out / "compare.md").read_text()
-    assert "| gdn-dense-d64 | state_acc | 0.001 | low edge | 0.575 | 0.55-0.6 | 2 | 0.001: 0.575, 0.003: 0.525 (0, 1) |" in md, md
+    assert "| gdn-dense-d64 allow_neg_eigval=False | state_acc | 0.001 | low edge | 0.575 | 0.55-0.6 | 2 | 0.001: 0.575, 0.003: 0.525 (0, 1) |" in md, md
     neg = "gdn-dense-d64 allow_neg_eigval=True"
     assert f"| {neg} | state_acc | 0.003 | high edge | 0.9062 | 0.8125-1 | 2 | 0.001: 0.5, 0.003: 0.9062 (0, 1) |" in md
     header = next(line for line in md.splitlines() if line.startswith("| architecture | best trainer.lr | "))
     assert header.endswith("| state_acc/64 | state_acc/128 | state_acc/256 | state_acc/512 |")
-    assert any(line.startswith("| gdn-dense-d64 | 0.001 |") and line.endswith("| 0.8 | 0.5 | 0.5 | 0.5 |") for line in md.splitlines())
+    assert any(line.startswith("| gdn-dense-d64 allow_neg_eigval=False | 0.001 |") and line.endswith("| 0.8 | 0.5 | 0.5 | 0.5 |") for line in md.splitlines())
     assert any(line.startswith(f"| {neg} | 0.003 |") and line.endswith("| 1 | 1 | 0.875 | 0.75 |") for line in md.splitlines())
     row = next(r for r in csv.DictReader((out / "compare.csv").open()) if r["run"] == "gdn_true_0.003_1")
     assert (float(row["state_acc"]), float(row["state_acc/256"]), float(row["state_acc/512"])) == (0.8125, 0.75, 0.5)
     assert plotted["state_acc_length.png"][:2] == [([64, 128, 256, 512], [0.8, 0.5, 0.5, 0.5]),
                                                    ([64, 128, 256, 512], [1.0, 1.0, 0.875, 0.75])]
-    assert list(plotted.styles["state_acc_length.png"]) == ["gdn-dense-d64", neg, "chance 0.5"]
+    assert list(plotted.styles["state_acc_length.png"]) == ["gdn-dense-d64 allow_neg_eigval=False", neg, "chance 0.5"]
     assert plotted["state_acc_length.png"][2][1] == [0.5, 0.5]
     assert (out / "best_trainer_lr" / "all_state_acc.png").stat().st_size > 1000
