@@ -114,17 +114,15 @@ def grouped(items: list[tuple[Run, dict]], dropped) -> list[tuple[dict, list[tup
 def labels(groups: list[tuple[dict, list]]) -> list[str]:
     """'<mixer>-<ffn>-d<width>' of each group's first run; where several groups share it, each is named by the
     options in which those groups differ (all of them, the first included: 'gdn-dense-d64 allow_neg_eigval=False')."""
-    bases = []
-    for config, members in groups:
-        first = members[0][1]
-        bases.append("-".join(str(first[c]) for c in ("mixer", "ffn") if first[c]) + f"-d{first['d_model']}")
-    out = []
+    bases = ["-".join(str(members[0][1][c]) for c in ("mixer", "ffn") if members[0][1][c]) + f"-d{members[0][1]['d_model']}"
+             for _, members in groups]
+    sharing: dict[str, list[dict]] = {}  # base -> the flat configs of the groups named by it
     for base, (config, _) in zip(bases, groups):
-        shared = [c for b, (c, _) in zip(bases, groups) if b == base]
-        differing = sorted(k for k in set().union(*shared) if len({value_text(c.get(k)) for c in shared}) > 1)
-        out.append(" ".join([base, ",".join(f"{k.rpartition('.')[2]}={value_text(config.get(k))}" for k in differing)])
-                   if differing else base)
-    return out
+        sharing.setdefault(base, []).append(config)
+    differing = {base: sorted(k for k in set().union(*configs) if len({value_text(c.get(k)) for c in configs}) > 1)
+                 for base, configs in sharing.items()}
+    return [f"{base} " + ",".join(f"{k.rpartition('.')[2]}={value_text(config.get(k))}" for k in differing[base])
+            if differing[base] else base for base, (config, _) in zip(bases, groups)]
 
 
 def group_architectures(runs: list[Run], summaries: list[dict], key: str) -> list[Architecture]:
