@@ -94,7 +94,8 @@ def compare(paths: list[Path], out: Path, wandb_path: str | None = None, best_ov
     shown = [c for c in columns if c not in ("source", "budget", "architecture", "edge")
              and any(s.get(c) is not None for s in summaries)]
     series = best_series(archs, best_over) if archs else series_of(list(zip(runs, summaries)))
-    style = SeriesStyle([(x.label, x.mixer) for x in series] + [(a.label, str(a.summary["mixer"])) for a in archs]
+    # in label order: a mixer's variants get their line styles by name, alike in every report (False before True)
+    style = SeriesStyle(sorted((x.label, x.mixer) for x in series) + [(a.label, str(a.summary["mixer"])) for a in archs]
                         + [(s["run"], str(s["mixer"])) for s in summaries])
     mqar_points = summaries
     if archs:  # the MQAR plots show each architecture at its best value

@@ -682,7 +682,8 @@ def test_an_mqar_run_is_a_recall_point():
 def test_compare_best_over_lr_of_state_accuracy(tmp_path, plotted):
     """experiment=state_tracking runs under --best-over trainer.lr: val/state_acc is the score (higher is better),
     its length bands are columns of compare.csv and of the at-best table (means over seeds), and
-    state_acc_length.png draws each architecture at its best lr: the seeds' mean per band, and chance 1/2."""
+    state_acc_length.png draws each architecture at its best lr: the seeds' mean per band, and chance 1/2; a mixer's
+    variants get their line styles in the order of their names (False solid), not in the order the runs are met."""
     runs = tmp_path / "runs"
     bands = {  # architecture -> lr -> each seed's accuracy in the bands 64, 128, 256, 512
         "false": {1e-3: ((0.7, 0.5, 0.5, 0.5), (0.9, 0.5, 0.5, 0.5)), 3e-3: ((0.6, 0.5, 0.5, 0.5), (0.6, 0.5, 0.5, 0.5))},
@@ -693,7 +694,7 @@ def test_compare_best_over_lr_of_state_accuracy(tmp_path, plotted):
         for lr, seeds in by_lr.items():
             for seed, accs in enumerate(seeds):
                 scores = {"val/state_acc": sum(accs) / 4, **{f"val/state_acc/{L}": a for L, a in zip((64, 128, 256, 512), accs)}}
-                folder = runs / f"gdn_{neg}_{lr}_{seed}"
+                folder = runs / f"{neg == 'false':d}_gdn_{neg}_{lr}_{seed}"  # the True runs met first
                 write_run(folder, at(config, lr, seed), [{**r, **scores} for r in train_rows([10, 10], [0.7, 0.1])])
                 (folder / "run_info.json").write_text(json.dumps({  # as train.py writes it (the vocab is the data's)
                     "params": {"total": 1, "active": 1}, "train_flops_per_token": 1.0,
@@ -708,10 +709,12 @@ def test_compare_best_over_lr_of_state_accuracy(tmp_path, plotted):
     assert header.endswith("| state_acc/64 | state_acc/128 | state_acc/256 | state_acc/512 |")
     assert any(line.startswith("| gdn-dense-d64 allow_neg_eigval=False | 0.001 |") and line.endswith("| 0.8 | 0.5 | 0.5 | 0.5 |") for line in md.splitlines())
     assert any(line.startswith(f"| {neg} | 0.003 |") and line.endswith("| 1 | 1 | 0.875 | 0.75 |") for line in md.splitlines())
-    row = next(r for r in csv.DictReader((out / "compare.csv").open()) if r["run"] == "gdn_true_0.003_1")
+    row = next(r for r in csv.DictReader((out / "compare.csv").open()) if r["run"] == "0_gdn_true_0.003_1")
     assert (float(row["state_acc"]), float(row["state_acc/256"]), float(row["state_acc/512"])) == (0.8125, 0.75, 0.5)
-    assert plotted["state_acc_length.png"][:2] == [([64, 128, 256, 512], [0.8, 0.5, 0.5, 0.5]),
-                                                   ([64, 128, 256, 512], [1.0, 1.0, 0.875, 0.75])]
-    assert list(plotted.styles["state_acc_length.png"]) == ["gdn-dense-d64 allow_neg_eigval=False", neg, "chance 0.5"]
+    assert plotted["state_acc_length.png"][:2] == [([64, 128, 256, 512], [1.0, 1.0, 0.875, 0.75]),
+                                                   ([64, 128, 256, 512], [0.8, 0.5, 0.5, 0.5])]
+    styles = plotted.styles["state_acc_length.png"]
+    assert list(styles) == [neg, "gdn-dense-d64 allow_neg_eigval=False", "chance 0.5"]
+    assert (styles["gdn-dense-d64 allow_neg_eigval=False"][1], styles[neg][1]) == ("-", "--")
     assert plotted["state_acc_length.png"][2][1] == [0.5, 0.5]
     assert (out / "best_trainer_lr" / "all_state_acc.png").stat().st_size > 1000
