@@ -110,6 +110,7 @@ def main(out: Path, ep: int) -> None:
     if state.is_main_process:
         (out / f"ep{ep}_world{state.num_processes}.json").write_text(json.dumps(result))
     state.wait_for_everyone()
+    state.destroy_process_group()  # as the other workers do: exiting with gloo's threads alive can abort a rank
 
 
 if __name__ == "__main__":
