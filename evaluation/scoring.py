@@ -12,12 +12,15 @@ from data.types import Data, Split
 
 @torch.no_grad()
 def evaluate_split(model, split: Split, batch_size: int, max_sequences: int | None, device, rank: int = 0,
-                   world: int = 1, autocast=None, per_position: bool = False) -> dict:
+                   world: int = 1, autocast=None, per_position: bool = False, context=None) -> dict:
     """Token-weighted mean loss over the first max_sequences blocks of the split (all if None), each
     rank taking a contiguous share in forwards of batch_size; returns sums so that callers can reduce
     across ranks. The blocks scored depend only on max_sequences, never on the process count. Every
     rank runs the same number of forwards (a rank whose share is one batch short runs a filler
-    batch it does not count), as a model sharded by FSDP needs all ranks in each forward."""
+    batch it does not count), as a model sharded by FSDP needs all ranks in each forward. With a context
+    (context parallelism: rank and world are then the data replica's), each process scores its slice of the
+    share's sequences (the model's forward with context), and the sums over all processes cover each
+    sequence once."""
     was_training = model.training
     model.eval()
     n = len(split) if max_sequences is None else min(len(split), max_sequences)
@@ -35,10 +38,14 @@ def evaluate_split(model, split: Split, batch_size: int, max_sequences: int | No
         idx = shares[0][:batch_size] if filler else chunks[i]
         batch = {k: v.to(device) for k, v in split.batch(idx).items()}
         with autocast() if autocast else torch.autocast(device.type, enabled=False):
-            out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"))
-        logits = out.logits[:, :-1].float()
-        targets = batch["labels"][:, 1:]
-        token_loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100,
+            out = model(input_ids=batch["input_ids"], position_ids=batch.get("position_ids"),
+                        **({} if context is None else {"context": context}))
+        logits, targets = out.logits, batch["labels"][:, 1:]  # position t predicts t + 1
+        if context is None:
+            logits = logits[:, :-1]
+        else:  # this rank's slice; the rows' last position predicts nothing
+            targets = F.pad(targets, (0, 1), value=-100)[:, slice(*context.bounds(targets.shape[1] + 1))]
+        token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), ignore_index=-100,
                                      reduction="none").view_as(targets).double()
         if filler:
             continue
@@ -71,19 +78,20 @@ def summarize(loss_sum: float, count: float, bytes_per_token: float | None) -> d
 
 
 def score_validation(model, data: Data, batch_size: int, max_sequences: int | None, device, *, rank: int = 0,
-                     world: int = 1, autocast=None, reduce_sum=None, per_position: bool = False) -> dict:
+                     world: int = 1, autocast=None, reduce_sum=None, per_position: bool = False, context=None) -> dict:
     """val/loss, val/ppl, val/bpb and val/tokens over the first max_sequences val sequences, each of the
     `world` processes scoring its share in forwards of batch_size (reduce_sum(x): x summed over the
     processes; None with one process); val/<aux metric> of those forwards, token-weighted over processes; a
     model whose MoE router is not causal (expert_choice, balanced) scored a second time with its training
     routing over each forward's batch, under val/batch_routing/; the data's own evaluation (MQAR accuracy).
-    With per_position (one process), also "per_position": the mean loss at each position."""
+    With per_position (one process), also "per_position": the mean loss at each position. With a context
+    (context parallelism) rank and world are this process's data replica and their count (evaluate_split)."""
     from model.ffn.moe import batch_routing_at_eval
 
     reduce_sum = reduce_sum or (lambda x: x)
 
     def scored() -> tuple[dict, dict]:
-        r = evaluate_split(model, data.val, batch_size, max_sequences, device, rank, world, autocast, per_position)
+        r = evaluate_split(model, data.val, batch_size, max_sequences, device, rank, world, autocast, per_position, context)
         sums = reduce_sum(torch.stack([r["loss_sum"], r["count"]]))
         return {**summarize(sums[0].item(), sums[1].item(), data.bytes_per_token), "val/tokens": int(sums[1].item())}, r
 

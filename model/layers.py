@@ -30,13 +30,30 @@ class AuxCollector:
     eval_loss [N] | None)`, eval_loss the same tokens' loss under the model's evaluation forward if any
     subscriber asked (with_eval_loss); the model calls `give_token_loss` once its LM loss is known,
     before `total_loss`.
+
+    Under context parallelism (`context`, the forward's ContextGroup) a block holds a slice of every sequence;
+    a loss or metric over the tokens of a forward is taken over the whole sequences through `over_sequence`
+    (a sum) and `sequence_mean`, so that every rank reports what one process would.
     """
 
-    def __init__(self):
+    def __init__(self, context=None):
+        self.context = context
         self.losses: dict[str, list[tuple[torch.Tensor, float]]] = {}
         self.metrics: dict[str, list[torch.Tensor]] = {}
         self.token_loss_consumers: list = []
         self.wants_eval_loss = False
+
+    def over_sequence(self, x: torch.Tensor) -> torch.Tensor:
+        """x, a sum over this forward's tokens, summed over the other slices of its sequences (context parallelism;
+        differentiable); x itself otherwise."""
+        return x if self.context is None else self.context.total(x)
+
+    def sequence_mean(self, x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+        """x's mean over its token dim `dim`, over the whole sequences under context parallelism (every slice holds
+        as many tokens); x.mean(dim) otherwise."""
+        if self.context is None:
+            return x.mean(dim)
+        return self.context.total(x.sum(dim)) / (x.shape[dim] * self.context.size)
 
     def on_token_loss(self, consume, with_eval_loss: bool = False) -> None:
         self.token_loss_consumers.append(consume)
@@ -92,41 +109,74 @@ class DocumentSegments:
         BlockMask on CUDA;
     conv_crossings(W): the (row, token, lag) taps of a width-W causal conv that reach back across
         their token's segment start, which ShortConv subtracts.
+
+    With a context (model/ops/context_parallel.py ContextGroup: context parallelism), position_ids are the
+    whole rows' and the segments describe this rank's slice [start, end) of every row: position_ids,
+    starts, cu_seqlens and the conv taps are the slice's (its first token starts a segment only where
+    position_ids says so; cu_seqlens still cuts the flattened slice at each row), attention_mask [B, 1,
+    L, end] covers the keys up to the slice's end, document_start the whole rows, and for the recurrent
+    mixers' state passing: head [B], the leading tokens of each row that continue a segment begun on an
+    earlier rank (0 where the slice starts one; always 0 on rank 0), cut [B], whether a segment starts
+    inside the row's slice (its outgoing state then owes nothing to the incoming one), and last_segment
+    [B], the index in cu_seqlens of each row's last segment.
     """
 
-    def __init__(self, position_ids: torch.Tensor):
+    def __init__(self, position_ids: torch.Tensor, context=None):
         B, T = position_ids.shape
-        self.position_ids = position_ids
-        self.starts = position_ids == 0
-        self.starts[:, 0] = True
-        self.cu_seqlens = F.pad(self.starts.flatten().nonzero()[:, 0], (0, 1), value=B * T)
+        self.context, self.length = context, T
+        self.start, self.end = (0, T) if context is None else context.bounds(T)
+        starts = position_ids == 0
+        starts[:, 0] = True
+        t = torch.arange(T, device=position_ids.device)
+        # [B, T]: the index of each token's segment start in its row (equal within a segment, so it names it)
+        self.document_start = torch.where(starts, t, 0).cummax(1).values
+        self.position_ids = position_ids[:, self.start:self.end]
+        self.starts = starts[:, self.start:self.end]
+        rows = self.starts.clone()
+        rows[:, 0] = True  # the flattened slice starts a segment at every row
+        L = self.end - self.start
+        self.cu_seqlens = F.pad(rows.flatten().nonzero()[:, 0], (0, 1), value=B * L)
+        self.last_segment = rows.sum(1).cumsum(0) - 1
+        self.cut = self.starts.any(1)
+        first_start = torch.where(self.starts, torch.arange(L, device=t.device), L).min(1).values
+        self.head = torch.where(self.starts[:, 0], 0, first_start)
         self._conv_crossings: dict[int, tuple] = {}
 
     @cached_property
     def segment_ids(self) -> torch.Tensor:
-        """[B, T]: the index of each token's segment within its row."""
-        return self.starts.cumsum(1)
+        """[B, end]: a name of each token's segment, the same for all its tokens (its start's index), for the
+        keys up to the slice's end (the whole row without context parallelism)."""
+        return self.document_start[:, :self.end]
+
+    @cached_property
+    def one_document(self) -> bool:
+        """Whether every row holds one document up to the slice's end (attention then needs no mask but causality)."""
+        return not bool(self.segment_ids.any())
 
     @cached_property
     def attention_mask(self):
         seg = self.segment_ids
-        B, T = seg.shape
+        B, S = seg.shape
+        q_seg, offset = seg[:, self.start:], self.start
         if seg.is_cuda:
             from torch.nn.attention.flex_attention import create_block_mask
 
             def same_document_causal(b, h, q_idx, kv_idx):
-                return (seg[b, q_idx] == seg[b, kv_idx]) & (q_idx >= kv_idx)
+                return (seg[b, offset + q_idx] == seg[b, kv_idx]) & (offset + q_idx >= kv_idx)
 
-            return create_block_mask(same_document_causal, B, None, T, T, device=seg.device)
-        causal = torch.ones(T, T, dtype=torch.bool, device=seg.device).tril()
-        return ((seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
+            return create_block_mask(same_document_causal, B, None, S - offset, S, device=seg.device)
+        causal = torch.ones(S - offset, S, dtype=torch.bool, device=seg.device).tril(offset)
+        return ((q_seg[:, :, None] == seg[:, None, :]) & causal)[:, None]
 
     def conv_crossings(self, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(row, token, lag) of the taps that read a token before their token's segment start: within the slice
+        (token >= lag), and under context parallelism past rank 0 also in the previous rank's halo (token < lag)."""
         if width not in self._conv_crossings:
-            B, T = self.starts.shape
-            t = torch.arange(T, device=self.starts.device)
-            pos = t - torch.where(self.starts, t, 0).cummax(1).values  # position within the segment
-            taps = [((pos < lag) & (t >= lag)).nonzero() for lag in range(1, width)]  # t < lag: the zero padding
+            B, L = self.starts.shape
+            t = torch.arange(L, device=self.starts.device)
+            pos = self.start + t - self.document_start[:, self.start:self.end]  # the token's place in its segment
+            # before token 0 a conv reads zeros (nothing to undo), past rank 0 the previous rank's halo
+            taps = [((pos < lag) & ((t >= lag) | (self.start > 0))).nonzero() for lag in range(1, width)]
             lags = torch.cat([torch.full((len(tap),), lag, device=t.device) for lag, tap in enumerate(taps, 1)])
             b, tok = torch.cat(taps).unbind(1)
             self._conv_crossings[width] = (b, tok, lags)
@@ -246,7 +296,9 @@ class ShortConv(nn.Module):
     forward(x [B, T, C], cache, key, segments) -> y [B, T, C]. With a cache dict, the last (kernel - 1)
     inputs are kept under `key` so decoding continues exactly where the previous call stopped. With
     DocumentSegments, the taps that reach across a segment start are subtracted (only the first
-    kernel - 1 tokens of each segment have any).
+    kernel - 1 tokens of each segment have any). Under context parallelism (segments.context) the first
+    kernel - 1 tokens read the previous rank's last kernel - 1 inputs (its halo, ContextGroup.shift), as
+    they would read them in one process.
     """
 
     def __init__(self, channels: int, kernel_size: int = 4, bias: bool = False):
@@ -259,17 +311,18 @@ class ShortConv(nn.Module):
                 segments: DocumentSegments | None = None) -> torch.Tensor:
         B, T, C = x.shape
         W = self.kernel_size
-        xt = x.transpose(1, 2)  # [B, C, T]
         past = cache.get(key) if cache is not None else None
+        if segments is not None and segments.context is not None and W > 1:
+            past = segments.context.shift(x[:, T - (W - 1):]).transpose(1, 2)  # [B, C, W - 1]
         if past is None:
-            past = xt.new_zeros(B, C, W - 1)
-        xp = torch.cat([past.to(xt.dtype), xt], dim=-1)
+            past = x.new_zeros(B, C, W - 1)
+        xp = torch.cat([past.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W - 1 + T]
         if cache is not None:
             cache[key] = xp[..., -(W - 1):].detach()
         y = F.conv1d(xp, self.conv.weight, self.conv.bias, groups=C).transpose(1, 2)
         if segments is not None and W > 1:  # y_t = b + sum_lag w[W - 1 - lag] x_{t - lag}: drop lags before the segment
             b, t, lag = segments.conv_crossings(W)
-            leak = x[b, t - lag] * self.conv.weight[:, 0, :].T[W - 1 - lag]  # fp32 under autocast (the weight's)
+            leak = xp[b, :, t - lag + W - 1] * self.conv.weight[:, 0, :].T[W - 1 - lag]  # fp32 under autocast (the weight's)
             y = y.index_put((b, t), -leak.to(y.dtype), accumulate=True)  # in y's dtype: CUDA autocast would promote y
         return F.silu(y)
 

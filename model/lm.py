@@ -141,6 +141,7 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         attention_mask: torch.Tensor | None = None,
         logits_to_keep: int = 0,
         position_ids: torch.LongTensor | None = None,
+        context=None,
         **kwargs,
     ) -> LMOutput:
         """labels follow the transformers convention: aligned with input_ids and shifted here, so
@@ -150,12 +151,23 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         position_ids [B, T] (document masking of a packed batch): 0 at the first token of each
         document segment, +1 within it; t = 0 always starts a segment. Each token then sees only its
         own segment: attention is block-causal, recurrent states and short convs restart, rotary runs
-        at these positions. Ignored while decoding with a cache (generate passes arange positions)."""
+        at these positions. Ignored while decoding with a cache (generate passes arange positions).
+
+        context (model/ops/context_parallel.py ContextGroup; context parallelism, training and scoring only): the
+        input_ids, labels and position_ids are the whole rows, on every rank of the group, and this rank runs
+        its slice [start, end) of them (`context.bounds(T)`): logits are the slice's [B, end - start, V], the
+        losses those of the whole rows (the slices' sums added over the group), as one process's."""
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("attention_mask has padding; DecoderLM takes unpadded (packed) sequences only")
-        T = input_ids.shape[1]
-        segments = None
-        if position_ids is not None and past_key_values is None and not use_cache:
+        segments, T = None, input_ids.shape[1]  # the whole rows' length, context parallel or not
+        if context is not None:
+            if past_key_values is not None or use_cache:
+                raise ValueError("context parallelism runs whole sequences: no decode cache")
+            if position_ids is None:
+                position_ids = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape)
+            segments = DocumentSegments(position_ids, context)
+            input_ids = input_ids[:, segments.start:segments.end]
+        elif position_ids is not None and past_key_values is None and not use_cache:
             segments = DocumentSegments(position_ids)
         if past_key_values is None and use_cache:
             past_key_values = DecodeCache(self.config.num_hidden_layers)
@@ -164,7 +176,7 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
             raise ValueError(
                 f"sequence length {offset + T} exceeds max_position_embeddings={self.config.max_position_embeddings}"
             )
-        aux = AuxCollector()
+        aux = AuxCollector(context)
         x = self.hidden_states(input_ids, aux, segments, past_key_values, offset)
         if past_key_values is not None:
             past_key_values.seen_tokens = offset + T
@@ -176,9 +188,15 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         if labels is not None:
             # Shift the labels, not the logits: position t predicts labels[t + 1]; the last position
             # gets -100. Slicing the logits instead would copy the whole [B, T, V] tensor.
-            targets = F.pad(labels[:, 1:], (0, 1), value=-100).flatten()
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
             flat = at_least_fp32(logits.flatten(0, 1))
-            lm_loss = F.cross_entropy(flat, targets, ignore_index=-100)
+            if context is None:
+                targets = targets.flatten()
+                lm_loss = F.cross_entropy(flat, targets, ignore_index=-100)
+            else:  # the slice's share of the mean over the whole rows' labelled tokens, added over the slices
+                labelled = (targets != -100).sum()
+                targets = targets[:, segments.start:segments.end].flatten()
+                lm_loss = context.total(F.cross_entropy(flat, targets, ignore_index=-100, reduction="sum")) / labelled
             aux.give_token_loss(lambda: F.cross_entropy(flat.detach(), targets, ignore_index=-100, reduction="none"),
                                 targets != -100, lambda: self.eval_token_loss(input_ids, segments, targets))
             aux_loss = aux.total_loss()

@@ -13,7 +13,9 @@ hybrid with softmax attention, at its default options:
 - the optimizer split: Muon takes the blocks' nn.Linear weights, AdamW the rest, with no decay on 1-d
   tensors, embeddings, A_log, dt_bias or D;
 - an HF save / from_pretrained round trip gives the same logits;
-- its Options (if any) parse from their defaults and its config file composes with an lr per optimizer.
+- its Options (if any) parse from their defaults and its config file composes with an lr per optimizer;
+- it declares what it exchanges under context parallelism (`context_exchange`), which tests/test_context_parallel.py
+  then checks against one process, for every registered mixer.
 
 Lengths cross a chunk of 64 (the chunked ops' default) and are not multiples of it."""
 import dataclasses
@@ -210,3 +212,14 @@ def test_options_and_config(name):
         cfg = compose("train", [f"mixer={name}"])
     assert cfg.mixer.name == name and set(cfg.mixer.lr) == set(group_choices("optimizer"))
     assert cfg.trainer.lr == cfg.mixer.lr[cfg.optimizer.name] > 0
+
+
+@pytest.mark.parametrize("name", MIXERS.names())
+def test_declares_its_context_parallel_means(name):
+    """Under trainer.context_parallel a mixer without `context_exchange` is refused (training/context_parallel.py); one
+    with it is run against one process by tests/test_context_parallel.py, whose cases come from this registry."""
+    from cp_worker import cases
+
+    exchange = getattr(MIXERS.get(name), "context_exchange", None)
+    assert isinstance(exchange, str) and exchange, name
+    assert name in cases()

@@ -395,6 +395,19 @@ def check_ep(report):
     assert number(rows[1]["all-to-all MB sent per step (rank)"]) > 0  # the split experts' rows did travel
 
 
+def check_cp(report):
+    """Memory and speed against CP 1 of the same mixer and length, and the bytes sent per layer as the cost model
+    has them."""
+    (rows,) = tables(report)
+    base = {(r["mixer"], r["T"]): r for r in rows if r["CP"] == "1"}
+    assert_ratio(rows, "vs CP 1", lambda r: r["step memory / rank MiB"],
+                 lambda r: base[r["mixer"], r["T"]]["step memory / rank MiB"], digits=0.01)
+    assert_ratio(rows, "vs CP 1 (2)", lambda r: r["tokens/s"], lambda r: base[r["mixer"], r["T"]]["tokens/s"], digits=0.01)
+    split = [r for r in rows if r["CP"] != "1"]
+    assert split and all(number(r["KiB sent / layer / step"]) == pytest.approx(
+        number(r["model: mixer / activations KiB"].split("/")[0]), rel=0.01) for r in split), split
+
+
 def check_gdn(report):
     op, model = tables(report)
     # the last column, max |o - o_tf| (its header's bars split it in two cells): our op computes transformers' rule
@@ -452,6 +465,6 @@ def check_decode(report):
     assert_ratio(rows, "ours / Llama", lambda r: r["ours tokens/s"], lambda r: r["transformers Llama tokens/s"])
 
 
-BENCH_CHECKS = {"data": check_data, "decode": check_decode, "docmask": check_docmask, "dsa": check_dsa, "ep": check_ep, "gdn": check_gdn,
+BENCH_CHECKS = {"cp": check_cp, "data": check_data, "decode": check_decode, "docmask": check_docmask, "dsa": check_dsa, "ep": check_ep, "gdn": check_gdn,
                 "mamba2": check_mamba2, "model": check_model, "moe": check_moe, "recipe": check_recipe,
                 "scaling": check_scaling}

@@ -80,8 +80,8 @@ def lm_config(cfg, vocab_size: int, eos_token_id: int | None):
 
 # What an override given on resume may change: nothing that changes the model, the data order or the
 # optimizer (a key, or a prefix ending in "." or "_"). The process layout may change (the global batch
-# is trainer.batch_size whatever the processes, accumulation or expert parallelism).
-RESUMABLE = ("trainer.max_steps", "trainer.grad_accum", "trainer.expert_parallel", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.ckpt_every",
+# is trainer.batch_size whatever the processes, accumulation, expert or context parallelism).
+RESUMABLE = ("trainer.max_steps", "trainer.grad_accum", "trainer.expert_parallel", "trainer.context_parallel", "trainer.log_every", "trainer.eval_every", "trainer.eval_batches", "trainer.ckpt_every",
              "trainer.keep_checkpoints", "trainer.sample_", "trainer.compile", "logger.", "data.num_proc",
              "data.cache_dir", "data.cache_shared", "run_dir", "resume")
 
@@ -101,7 +101,8 @@ def config_for_resume(cfg, saved, overrides: list[str], saved_path: Path):
     """The saved config of the run being resumed, with those of this command's overrides that may
     change on resume (RESUMABLE) applied. An override that would change anything else is a one-line
     error naming the key, its saved and its new value. A value that differs only because a default
-    changed since the run started keeps its saved value."""
+    changed since the run started keeps its saved value; a resumable key the run's config predates takes
+    this config's value (e.g. trainer.context_parallel, 1 by default)."""
     from omegaconf import OmegaConf
 
     from training.validation import leaves
@@ -122,7 +123,7 @@ def config_for_resume(cfg, saved, overrides: list[str], saved_path: Path):
         if before == after:
             continue
         touched = any(key == g or key.startswith((g + ".", g + "[")) for g in given)
-        if not touched:
+        if not touched and not (before is missing and resumable(key)):  # a layout key newer than the run: its default
             continue
         if not resumable(key):
             shown = lambda v: "(absent)" if v is missing else repr(v)  # noqa: E731

@@ -87,8 +87,10 @@ def train_step(run: Run) -> tuple[float, dict, float]:
     indices = global_batch(run.step, len(run.data.train), tc.batch_size, run.cfg.seed)
     step_loss = torch.zeros((), device=a.device)
     aux = {}
-    for m, shard in enumerate(micro_batches(indices, tc.grad_accum, a.process_index, a.num_processes)):
+    for m, shard in enumerate(micro_batches(indices, tc.grad_accum, run.data_share.rank, run.data_share.size)):
         batch = {k: v.to(a.device) for k, v in run.data.train.batch(shard).items()}
+        if run.context is not None:  # whole rows on every rank of the group, each running its slice
+            batch["context"] = run.context
         with (nullcontext() if m == tc.grad_accum - 1 else a.no_sync(run.model)), a.autocast():
             out = run.model(**batch)
         a.backward(out.loss / tc.grad_accum)
@@ -102,6 +104,10 @@ def train_step(run: Run) -> tuple[float, dict, float]:
 
         grad_norm = reduce_and_clip_gradients(run.lm, run.expert_mesh, tc.grad_clip)
         aux.update(step_metrics(run.lm, a.device))
+    if run.context is not None:
+        from training.context_parallel import step_metrics as context_metrics
+
+        aux.update(context_metrics(run.context, a.device))
     run.optimizer.step()
     run.scheduler.step()
     run.optimizer.zero_grad(set_to_none=True)
@@ -126,13 +132,17 @@ def mean_over_processes(a, metrics: dict) -> dict:
 
 def evaluate(run: Run) -> dict:
     """evaluation/scoring.py's val scores over the first eval_batches x batch_size val sequences, whatever the
-    process count (every process scores its share, in forwards of its micro-batch size)."""
+    process count (every data replica scores its share, in forwards of its micro-batch size; under context
+    parallelism each rank of a replica its slice of those sequences)."""
     from evaluation.scoring import score_validation
 
     a, tc = run.accelerator, run.cfg.trainer
-    return score_validation(run.lm, run.data, run.micro, None if tc.eval_batches is None else tc.eval_batches * tc.batch_size,
-                            a.device, rank=a.process_index, world=a.num_processes, autocast=a.autocast,
-                            reduce_sum=lambda x: a.reduce(x, reduction="sum"))
+    scores = score_validation(run.lm, run.data, run.micro, None if tc.eval_batches is None else tc.eval_batches * tc.batch_size,
+                              a.device, rank=run.data_share.rank, world=run.data_share.size, autocast=a.autocast,
+                              reduce_sum=lambda x: a.reduce(x, reduction="sum"), context=run.context)
+    if run.context is not None:
+        run.context.take_sent()  # cp/bytes counts training steps only
+    return scores
 
 
 def save(run: Run) -> None:

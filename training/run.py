@@ -29,13 +29,23 @@ class Run:
     optimizer: object
     optimizers: list
     scheduler: object
-    micro: int             # sequences per process per micro-step
+    micro: int             # sequences per data replica per micro-step
     costs: object          # training.budget.StepCosts: training FLOPs per token of each step (the objective's)
     peak: object           # training.perf.Peak of one device (MFU = achieved per device / peak.flops)
     step: int
     t_origin: float        # time/elapsed counts from here (moved back on resume)
     last_ckpt: Path | None
     expert_mesh: object = None  # the (dp, ep) DeviceMesh with trainer.expert_parallel > 1 (training/parallel.py)
+    context: object = None  # this process's ContextGroup with trainer.context_parallel > 1 (training/context_parallel.py)
+    share: object = None    # training.context_parallel.DataShare of the context groups; None: each process its own
+
+    @property
+    def data_share(self):
+        """Which share of each global batch this process reads (training.context_parallel.DataShare): its data
+        replica's under context parallelism, else its own."""
+        from training.context_parallel import DataShare
+
+        return self.share or DataShare(self.accelerator.process_index, self.accelerator.num_processes)
 
     @property
     def tokens_per_step(self) -> int:
@@ -57,6 +67,7 @@ def setup(cfg: DictConfig) -> Run:
     from training import checkpoint as ckpt
     from training.objectives import OBJECTIVES
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
+    from training.context_parallel import apply_context_parallel, data_replicas
     from training.parallel import apply_expert_parallel
     from training.budget import StepCosts, set_steps_from_budget
     from training.perf import device_peak
@@ -67,9 +78,12 @@ def setup(cfg: DictConfig) -> Run:
     use_cuda = device_type() == "cuda"
     state = PartialState(cpu=not use_cuda)
     world = state.num_processes
-    micro = tc.batch_size // (world * tc.grad_accum)
-    if micro * world * tc.grad_accum != tc.batch_size:
-        raise ValueError(f"trainer.batch_size={tc.batch_size} is not divisible by processes ({world}) x grad_accum ({tc.grad_accum})")
+    replicas = data_replicas(world, tc.context_parallel)
+    micro = tc.batch_size // (replicas * tc.grad_accum)
+    if micro * replicas * tc.grad_accum != tc.batch_size:
+        split = f"data replicas ({replicas} = {world} processes / trainer.context_parallel={tc.context_parallel})" \
+            if tc.context_parallel > 1 else f"processes ({world})"
+        raise ValueError(f"trainer.batch_size={tc.batch_size} is not divisible by {split} x grad_accum ({tc.grad_accum})")
 
     # One run directory for all ranks: the main process's.
     run_dir = [cfg.run_dir or HydraConfig.get().runtime.output_dir]
@@ -91,6 +105,8 @@ def setup(cfg: DictConfig) -> Run:
     if tc.expert_parallel > 1 and state.distributed_type == DistributedType.FSDP:
         raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
     expert_mesh = apply_expert_parallel(lm, tc.expert_parallel, world, "cuda" if use_cuda else "cpu")
+    context, share = apply_context_parallel(lm, tc.context_parallel, world, state.process_index,
+                                            "cuda" if use_cuda else "cpu", tc.seq_len, cfg.objective)
 
     # DDP searches the graph for parameters without gradients only where some can have none.
     find_unused = lm.leaves_parameters_unused() or objective.leaves_parameters_unused
@@ -110,7 +126,7 @@ def setup(cfg: DictConfig) -> Run:
               scheduler=scheduler, micro=micro,
               costs=costs,
               peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
-              step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh)
+              step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh, context=context, share=share)
     resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
     if resume_from is not None:
         objective.begin_step(ckpt.trainer_state(resume_from)["step"] - 1)  # its optimizer state is of that step's phase
@@ -137,14 +153,16 @@ def setup(cfg: DictConfig) -> Run:
             "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
             "train_flops_per_token": costs.flops_through(tc.max_steps) / (tc.max_steps * run.tokens_per_step),  # mean
             "max_steps": tc.max_steps, "train_flops": costs.flops_through(tc.max_steps), "processes": world,
-            "expert_parallel": tc.expert_parallel,
+            "expert_parallel": tc.expert_parallel, "context_parallel": tc.context_parallel,
             "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
             "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),
             "data": cfg.data.name, "data_info": data.info, "group": group}, indent=1))
     accelerator.print(
         f"run_dir {run_dir} | {counts['total'] / 1e6:.2f}M params ({counts['active'] / 1e6:.2f}M active) | "
         f"layers {lm.config.layer_mixers} x {lm.config.layer_ffns} | {len(data.train)} train / "
-        f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}")
+        f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}"
+        + (f" ({share.size} data replica(s) x {tc.context_parallel} context ranks, {tc.seq_len // tc.context_parallel} "
+           f"tokens of each sequence per rank)" if context is not None else ""))
     accelerator.print(run.peak.describe())
     if budget_line:
         accelerator.print(budget_line)

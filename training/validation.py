@@ -72,6 +72,7 @@ TRAIN_RULES = {
     "trainer.batch_size": positive(),
     "trainer.grad_accum": positive(),
     "trainer.expert_parallel": positive(),
+    "trainer.context_parallel": positive(),
     "trainer.max_steps": positive(nullable=True),  # null: set by a budget (training/budget.py)
     "trainer.flops_budget": Rule(float, above=0, nullable=True),
     "trainer.tokens_budget": Rule(float, above=0, nullable=True),
@@ -187,6 +188,9 @@ def check_train_config(cfg) -> None:
                          f"model.num_attention_heads={m.num_attention_heads}")
     if tc.batch_size % tc.grad_accum:
         raise ValueError(f"trainer.grad_accum={tc.grad_accum}; valid: a divisor of trainer.batch_size={tc.batch_size}")
+    if tc.seq_len % tc.context_parallel:
+        raise ValueError(f"trainer.seq_len={tc.seq_len} with trainer.context_parallel={tc.context_parallel}; valid: a "
+                         f"multiple of {tc.context_parallel} (every rank holds an equal slice of each sequence)")
     if tc.seq_len > m.max_position_embeddings:
         raise ValueError(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
     if cfg.data.name == "state_tracking" and (longest := eval_length(tc.seq_len)) > m.max_position_embeddings:

@@ -138,7 +138,7 @@ class MoE(nn.Module):
         router = ROUTERS.get(opts.router)(config, layer_idx, opts)
         if opts.aux_free_bias and not router.takes_selection_bias:
             raise bad_option("moe", "aux_free_bias", True, f"False with router={opts.router}")
-        self.layer_idx = layer_idx
+        self.layer_idx, self.router_name = layer_idx, opts.router
         self.num_experts, self.top_k, self.num_groups = E, k, G
         self.num_shared = opts.num_shared_experts
         self.balance_loss_coef = opts.balance_loss_coef
@@ -230,17 +230,20 @@ class MoE(nn.Module):
 
     def report(self, aux, routing: Routing, routed: torch.Tensor, kept_tokens: torch.Tensor, num_tokens: int,
                rows: int) -> None:
-        """Aux losses (always, for routers with scores) and load telemetry (training only) for this layer."""
+        """Aux losses (always, for routers with scores) and load telemetry (training only) for this layer, over the
+        forward's tokens: under context parallelism over the whole sequences, every slice's statistics summed over
+        the context group first (aux.over_sequence, aux.sequence_mean), so that each rank reports one process's."""
         E, G, tag = self.num_experts, self.num_groups, f"moe/layer{self.layer_idx}"
         probs = routing.probs
+        routed = aux.over_sequence(routed)  # assignments per expert, over the whole sequences
         frac = routed.to(torch.float32 if probs is None else probs.dtype) / routed.sum()  # f_i, share of assignments routed to i
         group_frac = frac.view(G, E // G).sum(-1)
         losses = {}
         if probs is not None:
-            P = probs.mean(0)
+            P = aux.sequence_mean(probs)
             losses["balance_loss"] = E * (frac * P).sum()
-            losses["z_loss"] = torch.logsumexp(routing.logits, dim=-1).square().mean()
-            losses["sequence_balance_loss"] = sequence_balance_loss(routing, rows)
+            losses["z_loss"] = aux.sequence_mean(torch.logsumexp(routing.logits, dim=-1).square())
+            losses["sequence_balance_loss"] = sequence_balance_loss(routing, rows, aux)
             if G > 1:
                 losses["group_balance_loss"] = G * (group_frac * P.view(G, E // G).sum(-1)).sum()
             for name, value in losses.items():
@@ -255,9 +258,10 @@ class MoE(nn.Module):
                 "dead_experts": (routed == 0).sum().float(),
             })
             if probs is not None:
-                metrics["router_entropy"] = -(probs * probs.clamp_min(1e-20).log()).sum(-1).mean()  # nats
-            metrics["dropped_frac"] = torch.tensor(1 - kept_tokens.numel() / routing.token.numel(), device=routed.device)
-            metrics["unrouted_frac"] = (torch.bincount(kept_tokens, minlength=num_tokens) == 0).float().mean()
+                metrics["router_entropy"] = aux.sequence_mean(-(probs * probs.clamp_min(1e-20).log()).sum(-1))  # nats
+            kept = aux.over_sequence(torch.tensor([kept_tokens.numel(), routing.token.numel()], device=routed.device))
+            metrics["dropped_frac"] = 1 - kept[0] / kept[1]
+            metrics["unrouted_frac"] = aux.sequence_mean((torch.bincount(kept_tokens, minlength=num_tokens) == 0).float())
             if routing.token_choice_overlap is not None:
                 metrics["token_choice_overlap"] = routing.token_choice_overlap
             if G > 1:
@@ -269,6 +273,18 @@ class MoE(nn.Module):
             aux.add_metric(f"{tag}/load", frac)
             if G > 1:
                 aux.add_metric(f"{tag}/group_load", group_frac)
+
+    def refuses_context_parallel(self) -> tuple[str, str] | None:
+        """(the option, what is valid) where this layer cannot run under context parallelism, else None: its statistics
+        are reduced over the context group (report), but a router that routes over the whole batch or learns from each
+        token's loss (its context_parallel), or a capacity that drops the earliest tokens' overflow, would route
+        differently on a slice."""
+        if not self.router.context_parallel:
+            fit = [name for name in ROUTERS.names() if ROUTERS.get(name).context_parallel]
+            return f"ffn.options.router={self.router_name}", f"one of {', '.join(fit)}"
+        if self.capacity_factor is not None:
+            return f"ffn.options.capacity_factor={self.capacity_factor}", "null"
+        return None
 
     @torch.no_grad()
     def after_optimizer_step(self) -> None:
@@ -295,14 +311,19 @@ class MoE(nn.Module):
         return (self.num_experts - self.top_k) * 3 * self.hidden_size * self.expert_size
 
 
-def sequence_balance_loss(routing: Routing, rows: int) -> torch.Tensor:
+def sequence_balance_loss(routing: Routing, rows: int, aux=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss: E sum_i f_i P_i within each of the `rows` sequences of
-    the forward (f: the sequence's shares of assignments, P: its mean probs), averaged over them."""
+    the forward (f: the sequence's shares of assignments, P: its mean probs), averaged over them (under context
+    parallelism over the whole sequences: aux.over_sequence)."""
     N, E = routing.probs.shape
     counts = routing.probs.new_zeros(rows, E).index_put_(
         (routing.token // (N // rows), routing.expert), routing.probs.new_ones(()), accumulate=True)
+    mean_probs = routing.probs.view(rows, N // rows, E).mean(1)
+    if aux is not None and aux.context is not None:
+        counts = aux.over_sequence(counts)
+        mean_probs = aux.sequence_mean(routing.probs.view(rows, N // rows, E), dim=1)
     frac = counts / counts.sum(-1, keepdim=True).clamp_min(1)
-    return E * (frac * routing.probs.view(rows, N // rows, E).mean(1)).sum(-1).mean()
+    return E * (frac * mean_probs).sum(-1).mean()
 
 
 @contextmanager

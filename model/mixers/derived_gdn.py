@@ -18,6 +18,7 @@ import torch
 
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_flops, chunk_size_on, derived_gated_delta_rule
+from model.ops.gated_delta_cp import derived_gated_delta_rule_cp
 from model.ops.kernels import repeat_heads
 from model.options import option
 from model.registry import MIXERS
@@ -33,6 +34,8 @@ class DerivedGDNOptions:
 @MIXERS.register("derived_gdn")
 class DerivedGDN(SoftmaxAttention):
     Options = DerivedGDNOptions
+    context_exchange = ("the running key and value sums and the state map of each slice (H (2 K + K K + K V) per row: "
+                        "model/ops/gated_delta_cp.py)")
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
@@ -40,6 +43,8 @@ class DerivedGDN(SoftmaxAttention):
 
     def core(self, q, k, v, cache: dict | None, aux, segments=None) -> torch.Tensor:
         k, v = repeat_heads(k, self.num_heads), repeat_heads(v, self.num_heads)  # GQA
+        if segments is not None and segments.context is not None:  # this rank's slice: t, sums and state passed along
+            return derived_gated_delta_rule_cp(q, k, v, segments, clamp_ktil=self.clamp_ktil)
         if segments is not None:  # the recursion (and its 1/t gates) restarts at each segment
             o, _ = derived_gated_delta_rule(*(segments.flatten(x) for x in (q, k, v)), clamp_ktil=self.clamp_ktil,
                                             cu_seqlens=segments.cu_seqlens)

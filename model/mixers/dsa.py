@@ -30,6 +30,7 @@ from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding
 from model.mixers.softmax import SoftmaxAttention, attend
 from model.ops.lightning_indexer import index_scores, index_scores_at, index_topk
 from model.ops.sparse_attention import Selection, dense_attention_probs, selected_attention
+from model.ops.sparse_attention_cp import fetch_selected
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -46,11 +47,13 @@ class DSAOptions:
     indexer_loss_coef: float = option(1.0, at_least=0)
 
 
-def indexer_kl(p: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+def indexer_kl(p: torch.Tensor, logits: torch.Tensor, aux=None) -> torch.Tensor:
     """mean over queries of KL(p || softmax(logits)) = sum_s p_s (log p_s - log_softmax(logits)_s), over
-    the last dim; -inf logits mark keys outside the candidate set (where p = 0)."""
+    the last dim; -inf logits mark keys outside the candidate set (where p = 0). With aux (AuxCollector) the
+    mean is over the whole sequences' queries under context parallelism."""
     log_q = logits.log_softmax(-1).masked_fill(logits == float("-inf"), 0)
-    return (torch.xlogy(p, p) - p * log_q).sum(-1).mean()
+    kl = (torch.xlogy(p, p) - p * log_q).sum(-1).flatten()
+    return kl.mean() if aux is None else aux.sequence_mean(kl)
 
 
 class LightningIndexer(nn.Module):
@@ -88,6 +91,8 @@ class LightningIndexer(nn.Module):
 class DSAttention(SoftmaxAttention):
     may_leave_parameters_unused = True  # the stage decides which of attention / indexer get gradients
     Options = DSAOptions
+    context_exchange = ("the indexer keys (all-gather: d_I per token) and, in the sparse stage, the selected keys and "
+                        "values of earlier ranks (each selected key once), in warm-up all keys and values")
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
@@ -110,42 +115,61 @@ class DSAttention(SoftmaxAttention):
     def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None,
                 segments: DocumentSegments | None = None) -> torch.Tensor:
         """With segments (document masking), rotary positions restart per document and the indexer,
-        its top-k and the dense paths see only the query's own document."""
+        its top-k and the dense paths see only the query's own document. Under context parallelism
+        (segments.context) the queries are this rank's slice of the keys up to its end: the indexer scores
+        all of those keys (gathered) and picks what one process would; the sparse stage then fetches only the
+        selected keys and values from the earlier ranks (model/ops/sparse_attention_cp.py), the dense paths
+        gather them all."""
         B, T, _ = x.shape
         offset = cache["offset"] if cache is not None else 0
+        context = None if segments is None else segments.context
         positions = None if segments is None else segments.position_ids
-        seg = None if segments is None else segments.segment_ids
+        seg = None if segments is None else segments.segment_ids  # the keys' documents [B, S]
         q, k, v = self.project(x, offset, positions)  # [B, T, H(kv), D]
         q_i, k_i, w = self.indexer(x.detach(), offset, positions)
         if cache is not None:
             if "k" not in cache:
                 cache.update(k=KVBuffer(dim=1), v=KVBuffer(dim=1), index_k=KVBuffer(dim=1))
             k, v, k_i = cache["k"].append(k), cache["v"].append(v), cache["index_k"].append(k_i)
-        sparse = self.stage == "sparse" and k.shape[1] > self.topk
+        length = k.shape[1]  # the keys of the whole sequence (under context parallelism: the whole rows')
+        if context is not None:
+            offset, length, own = segments.start, segments.length, (k, v)
+            k_i = context.gather_sequence(k_i, segments.end)
+        sparse = self.stage == "sparse" and length > self.topk
         report = aux is not None and cache is None  # no indexer loss or metrics while decoding
         indices = None
         if sparse or (report and not self.training):
             indices = index_topk(q_i, k_i, w, self.topk, offset, seg)  # [B, T, K], -1 = empty slot
         if sparse:
-            selection = Selection(indices, k.shape[1])  # shared by the attention and the indexer loss
+            selected = indices
+            if context is not None:  # a compact table: the selected keys of earlier ranks, then this rank's
+                D = k.shape[-1]
+                table, selected, table_keys = fetch_selected(indices, torch.cat([k, v], -1), context, offset, length)
+                k, v = table[..., :D], table[..., D:]
+                k_i = k_i.gather(1, table_keys[..., None].expand(-1, -1, k_i.shape[-1]))
+            selection = Selection(selected, k.shape[1])  # shared by the attention and the indexer loss
             o, p = selected_attention(q, k, v, selection, with_probs=report)  # p: the indexer's target
         else:
+            if context is not None:
+                k, v = (context.gather_sequence(t, segments.end) for t in (k, v))
             o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), segments).transpose(1, 2)
         if report:
             if sparse:
                 logits = index_scores_at(q_i, k_i, w, selection)
             else:
-                p, logits = dense_attention_probs(q, k, segment_ids=seg), index_scores(q_i, k_i, w, segment_ids=seg)
+                p = dense_attention_probs(q, k, offset, segment_ids=seg)
+                logits = index_scores(q_i, k_i, w, offset, segment_ids=seg)
             # L_I = mean_t KL(p_t || softmax(I_t)) over the selected keys (all causal keys in warm-up)
-            aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits), self.indexer_loss_coef)
+            aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits, aux), self.indexer_loss_coef)
             if not self.training:
-                self.report_recall(aux, q, k, indices, seg)
+                every_key = k if context is None or not sparse else context.gather_sequence(own[0], segments.end)
+                self.report_recall(aux, q, every_key, indices, offset, seg)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def report_recall(self, aux, q, k, indices, segment_ids=None) -> None:
+    def report_recall(self, aux, q, k, indices, offset: int = 0, segment_ids=None) -> None:
         """sum over the selected keys of the dense head-averaged attention probability, mean over queries."""
-        p = dense_attention_probs(q, k, segment_ids=segment_ids).gather(-1, indices.clamp(min=0))
-        aux.add_metric("dsa/topk_attention_recall", (p * (indices >= 0)).sum(-1).mean())
+        p = dense_attention_probs(q, k, offset, segment_ids=segment_ids).gather(-1, indices.clamp(min=0))
+        aux.add_metric("dsa/topk_attention_recall", aux.sequence_mean((p * (indices >= 0)).sum(-1).flatten()))
 
     def flops_per_token(self, seq_len: int, device) -> float:
         """Projections, attention over min(topk, t) keys at position t (all t keys in warm-up), and the indexer

@@ -35,6 +35,7 @@ from model.layers import (GatedRMSNorm, ShortConv, at_least_fp32, init_A_log_, i
                           residual_scale)
 from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule, chunk_size_on,
                                    fused_recurrent_gated_delta_rule)
+from model.ops.gated_delta_cp import gated_delta_rule_cp
 from model.ops.kernels import repeat_heads
 from model.options import bad_option, option
 from model.registry import MIXERS
@@ -68,6 +69,8 @@ class DeltaRuleBlock(nn.Module):
 
     parametrization = "fla"  # as fla's models of these layers (model/config.py; docs/blocks.md#parametrization)
     output_projection = "o_proj"  # y = o_proj(the normed core) (docs/extending.md)
+    # under context parallelism (model/ops/gated_delta_cp.py): each slice's state map, the short convs' halos
+    context_exchange = "the state map of each slice (H (K K + K V) per row) and the short convs' halos"
 
     def __init__(self, config, layer_idx: int, name: str, opts: DeltaRuleOptions, num_v_heads: int | None = None):
         super().__init__()
@@ -119,7 +122,9 @@ class DeltaRuleBlock(nn.Module):
         beta = at_least_fp32(self.b_proj(x)).sigmoid() * (2 if self.allow_neg_eigval else 1)
         g = self.decay(x)
         state = cache.get("state") if cache is not None else None
-        if segments is not None:  # the state restarts at each segment
+        if segments is not None and segments.context is not None:  # this rank's slice, the state passed along
+            o = gated_delta_rule_cp(q, k, v, g, beta, segments, chunk_size=self.chunk_size)
+        elif segments is not None:  # the state restarts at each segment
             o, _ = chunk_gated_delta_rule(*(None if t is None else segments.flatten(t) for t in (q, k, v, g, beta)),
                                           chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
             o = o.view(B, T, Hv, V)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.kernels import repeat_heads
 from model.ops.linear_attention import chunk_linear_attn, chunk_linear_attn_flops
+from model.ops.linear_attention_cp import chunk_linear_attn_cp
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -34,6 +35,7 @@ class LinearOptions:
 @MIXERS.register("linear")
 class LinearAttention(SoftmaxAttention):
     Options = LinearOptions
+    context_exchange = "the state and key sum of each slice (H K (V + 1) per row: model/ops/linear_attention_cp.py)"
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)
@@ -48,6 +50,8 @@ class LinearAttention(SoftmaxAttention):
     def core(self, q, k, v, cache: dict | None, aux, segments=None) -> torch.Tensor:
         q, k = self.feature_map(q), self.feature_map(k)
         k, v = repeat_heads(k, self.num_heads), repeat_heads(v, self.num_heads)  # GQA
+        if segments is not None and segments.context is not None:  # this rank's slice, the state passed along
+            return chunk_linear_attn_cp(q, k, v, segments, normalize=self.normalize, chunk_size=self.chunk_size)
         if segments is not None:  # the state (and the normaliser's key sum) restarts at each segment
             o, _ = chunk_linear_attn(*(segments.flatten(x) for x in (q, k, v)), normalize=self.normalize,
                                      chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)

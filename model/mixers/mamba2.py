@@ -37,8 +37,9 @@ import torch
 import torch.nn as nn
 from transformers import initialization as init
 
-from model.layers import GatedRMSNorm, ShortConv, init_dt_bias_, init_fan_in_uniform_, residual_scale
+from model.layers import GatedRMSNorm, ShortConv, at_least_fp32, init_dt_bias_, init_fan_in_uniform_, residual_scale
 from model.ops.ssd import mamba_chunk_scan, mamba_chunk_scan_flops, mamba_state_step
+from model.ops.ssd_cp import mamba_chunk_scan_cp
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -59,6 +60,7 @@ class Mamba2(nn.Module):
     Options = Mamba2Options
     parametrization = "mamba2"  # as transformers' Mamba2 (model/config.py; docs/blocks.md#parametrization)
     output_projection = "out_proj"  # y = out_proj(gated norm of the scan) (docs/extending.md)
+    context_exchange = "the state map of each slice (H (1 + P N) per row: model/ops/ssd_cp.py) and the conv's halo"
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -98,9 +100,12 @@ class Mamba2(nn.Module):
         z, xBC, dt = self.in_proj(x).split([self.d_inner, self.d_inner + 2 * G * N, H], dim=-1)
         xs, B, C = self.conv(xBC, cache, segments=segments).split([self.d_inner, G * N, G * N], dim=-1)
         xs, B, C = xs.view(Bsz, T, H, P), B.view(Bsz, T, G, N), C.view(Bsz, T, G, N)
-        A = -torch.exp(self.A_log.float())
+        A = -torch.exp(at_least_fp32(self.A_log))
         state = cache.get("ssm") if cache is not None else None
-        if segments is not None:  # the state restarts at each segment
+        if segments is not None and segments.context is not None:  # this rank's slice, the state passed along
+            y = mamba_chunk_scan_cp(xs, dt, A, B, C, self.chunk_size, segments, D=self.D, dt_bias=self.dt_bias,
+                                    dt_softplus=True, allow_neg_eigval=self.allow_neg_eigval)
+        elif segments is not None:  # the state restarts at each segment
             xs, dt, B, C = (segments.flatten(t) for t in (xs, dt, B, C))
             y = mamba_chunk_scan(xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
                                  cu_seqlens=segments.cu_seqlens, allow_neg_eigval=self.allow_neg_eigval)

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding, residual_scale
+from model.ops.attention_cp import causal_attention_after
 from model.registry import MIXERS
 
 
@@ -26,6 +27,9 @@ from model.registry import MIXERS
 class SoftmaxAttention(nn.Module):
     parametrization = "llama"  # the model around it starts as Llama's (model/config.py; docs/blocks.md#parametrization)
     output_projection = "o_proj"  # the nn.Linear the output leaves through: y = o_proj(core) (docs/extending.md)
+    # under context parallelism: every rank's keys and values (all-gather), each query attending to those up to
+    # its position in its own document (DocumentSegments.attention_mask of this rank's slice)
+    context_exchange = "keys and values (all-gather: 2 Hkv D per token)"
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -69,6 +73,8 @@ class SoftmaxAttention(nn.Module):
         return self.o_proj(o.reshape(B, T, -1))
 
     def core(self, q, k, v, cache: dict | None, aux, segments: DocumentSegments | None = None) -> torch.Tensor:
+        if segments is not None and segments.context is not None:  # the keys and values of the slices up to this one
+            k, v = (segments.context.gather_sequence(x, segments.end) for x in (k, v))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, T, D]
         if cache is not None:
             if "k" not in cache:
@@ -90,12 +96,15 @@ class SoftmaxAttention(nn.Module):
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments | None = None) -> torch.Tensor:
     """Causal SDPA for q [B, H, Tq, D] whose Tq positions are the last ones of k, v [B, Hkv, Tk, D];
-    with segments (Tq = Tk, no cache), causal within each document segment only."""
+    with segments (no cache), causal within each document segment only (Tq = Tk, or under context
+    parallelism this rank's slice of queries over the keys up to its end)."""
     Tq, Tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
     if segments is not None:
         if q.is_cuda:
             return _flex_attention()(q, k, v, block_mask=segments.attention_mask, enable_gqa=gqa)
+        if segments.context is not None and segments.one_document:  # no mask to hold (model/ops/attention_cp.py)
+            return causal_attention_after(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=segments.attention_mask, enable_gqa=gqa)
     if Tq == Tk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -356,17 +356,9 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     if initial_state is not None:
         k_sum = k_sum + initial_state["k_sum"].to(cd)[:, None]
         v_sum = v_sum + initial_state["v_sum"].to(cd)[:, None]
-    ktil = k - k_sum / t[..., None]
-    vbar = v_sum / t[..., None]
-    vtil = v - (v_sum - v) / (t - 1).clamp(min=1)[..., None]  # vbar_0 = 0
-    if clamp_ktil:
-        ktil = ktil * (ktil.pow(2).sum(-1) / (2 * t - 1)).clamp(min=1).rsqrt()[..., None]
-    first = t == 1
-    g = torch.where(first, 0.0, torch.log1p(-1 / t)).expand(B, T, H)
-    beta = torch.where(first, 0.0, 1 / (t - 1).clamp(min=1)).expand(B, T, H)
+    ktil, vbar, written, g, beta = derived_inputs(k, v, k_sum, v_sum, t, clamp_ktil)
     A0 = None if initial_state is None else initial_state["A"]
     # the rule's q, k, v in the input dtype (bf16 under autocast: the kernel's), g and beta in fp32
-    written = vtil * ((t - 1) / t)[..., None]
     o, A = chunk_gated_delta_rule(q.to(dtype), ktil.to(dtype), written.to(dtype), g, beta, scale=1.0,
                                   initial_state=A0, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
     o = (o.to(cd) + vbar).to(dtype)
@@ -376,6 +368,22 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
         last = cu_seqlens[1:] - 1
         return o, {"A": A, "k_sum": k_sum[0, last], "v_sum": v_sum[0, last], "t": cu_seqlens.diff()}
     return o, {"A": A, "k_sum": k_sum[:, -1], "v_sum": v_sum[:, -1], "t": t0 + T}
+
+
+def derived_inputs(k, v, k_sum, v_sum, t, clamp_ktil: bool):
+    """The gated delta rule's inputs in derived GDN at each token's t [.., T, 1] (its place in its sequence, from 1),
+    from the scaled keys and values k, v [B, T, H, *] and their running sums to t: (ktil, vbar_t, the written value
+    vtil (t - 1) / t, g = log(1 - 1/t), beta = 1/(t - 1)), with alpha = 1, beta = 0 at t = 1."""
+    B, T, H = k.shape[:3]
+    ktil = k - k_sum / t[..., None]
+    vbar = v_sum / t[..., None]
+    vtil = v - (v_sum - v) / (t - 1).clamp(min=1)[..., None]  # vbar_0 = 0
+    if clamp_ktil:
+        ktil = ktil * (ktil.pow(2).sum(-1) / (2 * t - 1)).clamp(min=1).rsqrt()[..., None]
+    first = t == 1
+    g = torch.where(first, 0.0, torch.log1p(-1 / t)).expand(B, T, H)
+    beta = torch.where(first, 0.0, 1 / (t - 1).clamp(min=1)).expand(B, T, H)
+    return ktil, vbar, vtil * ((t - 1) / t)[..., None], g, beta
 
 
 FLA_CHUNK_SIZE = 64  # the chunk of fla's chunk_gated_delta_rule and chunk_kda (their default; our calls pass none)

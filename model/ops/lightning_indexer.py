@@ -24,7 +24,8 @@ _INDEX_BLOCK_ELEMS = 1 << 22  # indexer dot products per query block (16 MiB at 
 def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: int = 0,
                  segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Dense causal indexer scores [B, T, S] (fp32, -inf on future keys, and on other documents' keys
-    given segment_ids [B, T]); differentiable, O(T S H_I d_I) memory: the warm-up stage's indexer logits."""
+    given segment_ids [B, S], as `visible`); differentiable, O(T S H_I d_I) memory: the warm-up stage's indexer
+    logits."""
     acc = accumulation_dtype(q_i.dtype)
     dots = torch.einsum("bthd,bsd->bths", q_i.to(acc), k_i.to(acc)).relu()
     scores = torch.einsum("bth,bths->bts", w.to(acc), dots)
@@ -32,12 +33,12 @@ def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: 
 
 
 def visible(T: int, S: int, offset: int, device, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Which keys each query may see: causal [T, S], and with segment_ids [B, T] (document masking,
-    T = S, no offset) also within its own document, [B, T, S]."""
+    """Which keys each query may see: causal [T, S], and with segment_ids [B, S] (document masking: the keys'
+    documents; the queries, the last T keys, have theirs) also within its own document, [B, T, S]."""
     mask = sa.causal_mask(T, S, offset, device)
     if segment_ids is None:
         return mask
-    return mask & (segment_ids[:, :, None] == segment_ids[:, None, :])
+    return mask & (segment_ids[:, S - T:, None] == segment_ids[:, None, :])
 
 
 def _topk_chunks(S: int, k: int) -> int:
@@ -70,9 +71,9 @@ def topk_indices(x: torch.Tensor, k: int) -> torch.Tensor:
 def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int, offset: int = 0,
                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """indices [B, T, min(topk, S)] of the top-k visible keys by I per query, -1 where fewer than topk
-    keys are visible (so a prefix of <= topk keys is selected whole); with segment_ids [B, T] (contiguous
-    documents, non-decreasing along T, as DocumentSegments gives) only the query's own document is
-    visible. Ties are broken arbitrarily.
+    keys are visible (so a prefix of <= topk keys is selected whole); with segment_ids [B, S] (the keys'
+    contiguous documents, non-decreasing along S, as DocumentSegments gives; the queries' those of the last T
+    keys) only the query's own document is visible. Ties are broken arbitrarily.
     Per block of queries: one GEMM for q_i k_i^T over the keys the block can see, then on CPU one numba
     kernel (sparse_cpu.index_topk: relu, head-weighted sum and top-k over each query's visible keys in
     one pass over the row); elsewhere relu in place, the head-weighted sum as a batched [1, H_I] x
@@ -86,7 +87,7 @@ def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int,
     pos = torch.arange(offset, offset + T, device=q_i.device)
     # first visible key of each query: its document's start
     lo = (torch.zeros_like(pos).expand(B, T) if segment_ids is None
-          else torch.searchsorted(segment_ids.contiguous(), segment_ids.contiguous()))
+          else torch.searchsorted(segment_ids.contiguous(), segment_ids[:, S - T:].contiguous()))
     for t0, t1 in sa._blocks(T, H_I * S, _INDEX_BLOCK_ELEMS):
         n, S_blk = t1 - t0, offset + t1  # keys visible to the block's last query
         dots = torch.bmm(q_i[:, t0:t1].to(acc).reshape(B, n * H_I, d), kt[:, :, :S_blk]).view(B, n, H_I, S_blk)

@@ -324,8 +324,9 @@ def selected_attention_probs(q: torch.Tensor, k: torch.Tensor, indices, scale: f
 @torch.no_grad()
 def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
                           scale: float | None = None, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """p [B, T, S]: causal softmax attention over all keys (within each document given segment_ids),
-    averaged over heads (L1-normalised); the warm-up indexer target and the reference for top-k recall."""
+    """p [B, T, S]: causal softmax attention over all keys (within each document given segment_ids [B, S], the
+    keys' documents, the queries' those of the last T keys), averaged over heads (L1-normalised); the warm-up
+    indexer target and the reference for top-k recall."""
     B, T, H, D = q.shape
     S, Hkv = k.shape[1], k.shape[2]
     acc = accumulation_dtype(q.dtype)
@@ -336,7 +337,7 @@ def dense_attention_probs(q: torch.Tensor, k: torch.Tensor, offset: int = 0,
         s = torch.einsum("bnhgd,bshd->bnhgs", qb, kf) * _scale(q, scale)
         mask = causal_mask(t1 - t0, S, offset + t0, q.device).expand(B, -1, -1)
         if segment_ids is not None:
-            mask = mask & (segment_ids[:, t0:t1, None] == segment_ids[:, None, :])
+            mask = mask & (segment_ids[:, S - T + t0:S - T + t1, None] == segment_ids[:, None, :])
         p[:, t0:t1] = s.masked_fill(~mask[:, :, None, None], float("-inf")).softmax(-1).mean((2, 3))
     return p
 

@@ -24,6 +24,7 @@ Interface (the MoE in model/ffn/moe.py owns the dispatch, capacity, the balance 
     optional:
         takes_selection_bias = True           # it uses selection_bias (the MoE refuses aux_free_bias otherwise)
         takes_z_loss = False                  # the MoE's z-loss only logged, not weighed in (reinforce, by default)
+        context_parallel = False              # refused under context parallelism (expert_choice, balanced, reinforce)
         no_weight_decay() -> tuple[str, ...]  # its parameters the optimizer does not decay (training/optim.py)
         causal = False + route_batch_at_eval(enabled)  # BatchRouter: training routing over the batch, token
                                               # choice at evaluation unless enabled (batch_routing_at_eval)

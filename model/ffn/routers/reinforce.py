@@ -170,6 +170,7 @@ class PolicyStep:
 class Reinforce(ScoredRouter):
     Options = ReinforceOptions
     takes_selection_bias = True
+    context_parallel = False  # its loss takes each token's LM loss over the forward's tokens, not reduced over slices
 
     def __init__(self, config, layer_idx: int, moe):
         super().__init__(config, layer_idx, moe)  # layer_idx: part of the sampling salt

@@ -49,6 +49,9 @@ class Router(nn.Module):
     causal = True                 # a token's training experts depend on that token alone (else: BatchRouter)
     takes_selection_bias = False  # forward adds selection_bias (the MoE's aux-free bias) to its choice
     takes_z_loss = True           # the MoE's z-loss (z_loss_coef) applies to its logits (else: logged only)
+    # it routes and learns as well on a slice of each sequence as on the whole (context parallelism): its routing
+    # is causal and its losses are the MoE's, which reduces them over the context group (model/ffn/moe.py)
+    context_parallel = True
 
     def experts_per_token(self) -> float:
         """Mean experts a token runs through in training (the MoE's FLOPs)."""
@@ -139,6 +142,7 @@ class BatchRouter(TokenChoiceRouter):
     choice on the same scores, unless route_batch_at_eval(True) (model/ffn/moe.py batch_routing_at_eval)
     has evaluation route as training does, over each evaluation forward's batch."""
     causal = False
+    context_parallel = False  # its training routing needs the whole batch's scores
 
     def __init__(self, config, layer_idx: int, moe):
         super().__init__(config, layer_idx, moe)
