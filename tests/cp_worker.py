@@ -1,7 +1,7 @@
 """Worker for tests/test_context_parallel.py: every registered mixer (two layers of it, and again with
 allow_neg_eigval where its Options have it, and VARIANTS) and a hybrid (softmax, gdn and mamba2 layers with MoE
 FFNs), each trained one step under context parallelism against one process; WHOLE_ROWS again on rows of one
-document each (no document positions).
+document each (no document positions), FSDP again sharded by FSDP2 over all the processes.
 
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml --num_processes W -m tests.cp_worker OUT CP[,CP...] [CASES]
 
@@ -53,6 +53,7 @@ def cases() -> dict:
 
 
 WHOLE_ROWS = ("softmax", "hybrid+moe")  # run again without document positions: every row one document
+FSDP = ("hybrid+moe",)  # run again sharded by FSDP2 over every process
 
 
 def build(layers, mixer_options, ffn, ffn_options, dtype=torch.float32) -> DecoderLM:
@@ -95,21 +96,35 @@ def one_process(case, ids, positions, replicas: int, dtype) -> dict:
     return {**values, **{name: p.grad for name, p in model.named_parameters()}}
 
 
-def context_parallel(case, ids, positions, context, share, dtype) -> dict:
-    """The same under context parallelism, each value averaged over all processes (as DDP averages gradients)."""
+def context_parallel(case, ids, positions, context, share, dtype, fsdp: bool = False) -> dict:
+    """The same under context parallelism, each value averaged over all processes (as DDP averages gradients), or
+    with fsdp the model sharded by torch's FSDP2 over all processes (fully_shard per Block and at the root), whose
+    reduce-scatter averages the gradients itself."""
+    from torch.distributed.fsdp import fully_shard
+
     s = slice(share.rank * ROWS, (share.rank + 1) * ROWS)
     model = build(*case, dtype)
+    if fsdp:
+        for block in model.layers:
+            fully_shard(block)
+        fully_shard(model)
     out = model(input_ids=ids[s], labels=ids[s], position_ids=None if positions is None else positions[s], context=context)
     out.loss.backward()
-    values = {"loss": out.loss.detach(), **{f"aux {k}": v for k, v in out.aux_metrics.items()},
-              **{name: p.grad for name, p in model.named_parameters()}}
+    values = {"loss": out.loss.detach(), **{f"aux {k}": v for k, v in out.aux_metrics.items()}}
     for v in values.values():
         dist.all_reduce(v)
         v /= dist.get_world_size()
+    for name, p in model.named_parameters():
+        if fsdp:
+            values[name] = p.grad.full_tensor()
+        else:
+            values[name] = p.grad
+            dist.all_reduce(values[name])
+            values[name] /= dist.get_world_size()
     return values
 
 
-def compare(case, context, share, replicas: int, float32: bool, documents: bool = True) -> dict:
+def compare(case, context, share, replicas: int, float32: bool, documents: bool = True, fsdp: bool = False) -> dict:
     """Per value (the loss, each aux metric, each parameter's gradient), its relative error under context
     parallelism: in float64 (the exchanges' math, against one process in float64) and, with float32, in float32
     (against one process in float32), with float32's own error there (one process in float32 against float64, its
@@ -117,11 +132,11 @@ def compare(case, context, share, replicas: int, float32: bool, documents: bool 
     ids, positions = batch(replicas)
     positions = positions if documents else None
     ref64 = one_process(case, ids, positions, replicas, torch.float64)
-    cp64 = context_parallel(case, ids, positions, context, share, torch.float64)
+    cp64 = context_parallel(case, ids, positions, context, share, torch.float64, fsdp)
     errors = {key: {"float64": relative(cp64[key], ref64[key])} for key in ref64}
     if float32:
         ref32 = one_process(case, ids, positions, replicas, torch.float32)
-        cp32 = context_parallel(case, ids, positions, context, share, torch.float32)
+        cp32 = context_parallel(case, ids, positions, context, share, torch.float32, fsdp)
         for key, e in errors.items():
             e.update(float32=relative(cp32[key].double(), ref32[key].double()),
                      float32_floor=relative(ref32[key].double(), ref64[key]),
@@ -165,6 +180,9 @@ def main(out: Path, sizes: list[int], only: list[str] | None = None) -> None:
             if name in WHOLE_ROWS:
                 result["cases"][f"{name}, whole rows"] = compare(case, context, share, W // cp, float32=cp == sizes[0],
                                                                 documents=False)
+            if name in FSDP:
+                result["cases"][f"{name}, FSDP2"] = compare(case, context, share, W // cp, float32=cp == sizes[0],
+                                                           fsdp=True)
         if state.is_main_process:
             (out / f"cp{cp}_world{W}.json").write_text(json.dumps(result, indent=1))
     state.wait_for_everyone()

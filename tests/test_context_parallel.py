@@ -8,9 +8,10 @@ op's context-parallel form) on gloo processes, each test asserting the world, co
   exchanges' math), in float32 (at CP 4) to 1e-5, or where float32's own error is larger (one process in float32
   against float64: mamba2's D) no further from float64 than twice that (tests/cp_worker.py); and the exchanges each
   mixer's math needs ran;
-- train.py under `accelerate launch` with trainer.context_parallel=2, every mixer in one model with MoE FFNs: the
-  train losses, val metrics and exported weights of one process; its checkpoint resumes on one process (CP 2 -> 1),
-  and one process's on two under CP 2 (1 -> 2), each continuing the same curve;
+- train.py under `accelerate launch` with trainer.context_parallel=2, every mixer in one model with MoE FFNs whose
+  experts are split over the same 2 processes (trainer.expert_parallel=2): the train losses, val metrics and
+  exported weights of one process; its checkpoint resumes on one process (CP 2 -> 1), and one process's on two
+  under CP 2 (1 -> 2), each continuing the same curve; FSDP2 with CP: tests/cp_worker.py's FSDP cases;
 - the segments of a rank's slice (where its state comes from), and the layouts CP cannot run, refused in one line.
 """
 import json
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 from conftest import ROOT, ddp_launcher, run_train, train_here
-from cp_worker import WHOLE_ROWS, cases
+from cp_worker import FSDP, WHOLE_ROWS, cases
 from model import DecoderLM, LMConfig
 from model.layers import DocumentSegments, ShortConv
 from model.registry import MIXERS
@@ -46,6 +47,7 @@ def test_every_mixer_equals_one_process(on_four_processes, cp):
     assert (result["world_size"], result["cp_size"], result["dp_size"]) == (4, cp, 4 // cp)
     expected = cases()
     expected.update({f"{name}, whole rows": expected[name] for name in WHOLE_ROWS})
+    expected.update({f"{name}, FSDP2": expected[name] for name in FSDP})
     assert result["cases"].keys() == expected.keys() and set(MIXERS.names()) <= expected.keys()
     for name, r in result["cases"].items():
         for key, e in r["errors"].items():
@@ -72,6 +74,9 @@ EVERY_MIXER = [f"model.num_hidden_layers={len(MIXERS.names())}", f"model.mixer=[
                "trainer.eval_every=10", "trainer.ckpt_every=10", "trainer.keep_checkpoints=5"]
 
 
+SPLIT = ["trainer.context_parallel=2", "trainer.expert_parallel=2"]  # each sequence, and each MoE layer's experts
+
+
 def losses(run_dir):
     return {r["step"]: r["train/loss"] for r in read_metrics(run_dir) if "train/loss" in r}
 
@@ -82,16 +87,18 @@ def val_rows(run_dir):
 
 @pytest.mark.slow
 def test_training_follows_one_process_and_resumes_across_layouts(tmp_path, data_cache):
-    """Every mixer in one model (MoE FFNs, DSA's sparse stage) at trainer.context_parallel=2 on 2 processes: one
-    process's losses over 20 steps, its val metrics, its exported weights; then the CP run's step-10 checkpoint
-    resumed on 1 process, and one process's on 2 under CP 2, each to step 20 on the same curve."""
+    """Every mixer in one model (MoE FFNs, DSA's sparse stage) at trainer.context_parallel=2 on 2 processes, the
+    experts split over them too (trainer.expert_parallel=2): one process's losses over 20 steps, its val metrics,
+    its exported weights; then the split run's step-10 checkpoint resumed on 1 process, and one process's on 2
+    split the same way, each to step 20 on the same curve."""
     from safetensors.torch import load_file
 
     one, two = tmp_path / "one", tmp_path / "two"
     train_here(one, *EVERY_MIXER, cache=data_cache)
-    run_train(two, *EVERY_MIXER, "trainer.context_parallel=2", launcher=ddp_launcher(), cache=data_cache)
+    run_train(two, *EVERY_MIXER, *SPLIT, launcher=ddp_launcher(), cache=data_cache)
     info = json.loads((two / "run_info.json").read_text())
-    assert (info["processes"], info["context_parallel"]) == (2, 2) and info["layer_mixers"] == MIXERS.names()
+    assert (info["processes"], info["context_parallel"], info["expert_parallel"]) == (2, 2, 2)
+    assert info["layer_mixers"] == MIXERS.names()
     ref, got = losses(one), losses(two)
     assert sorted(got) == list(range(1, 21))
     for step in got:
@@ -114,8 +121,7 @@ def test_training_follows_one_process_and_resumes_across_layouts(tmp_path, data_
         (target / "checkpoints").mkdir(parents=True)
         shutil.copytree(source / "checkpoints" / "step_0000010", target / "checkpoints" / "step_0000010")
     assert "saved by 2 process(es), now 1" in train_here(down, *EVERY_MIXER, "resume=auto", cache=data_cache)
-    proc = run_train(up, *EVERY_MIXER, "trainer.context_parallel=2", "resume=auto", launcher=ddp_launcher(),
-                     cache=data_cache)
+    proc = run_train(up, *EVERY_MIXER, *SPLIT, "resume=auto", launcher=ddp_launcher(), cache=data_cache)
     assert "saved by 1 process(es), now 2" in proc.stdout
     assert json.loads((up / "run_info.json").read_text())["context_parallel"] == 2
     for resumed in (down, up):

@@ -152,6 +152,7 @@ def test_bad_eval_value_is_one_line(key, value):
     (["model.mixer=[derived_gdn,softmax,gdn,softmax]", "linearize.keep_softmax=auto:x"],
      "linearize.keep_softmax=auto:x; valid: null, a list of layer indices in 0..3, or auto:<m> with 1 <= m <= 2"),
     (["linearize.keep_softmax=[1,4]"], "linearize.keep_softmax=[1, 4]; valid: null, a list of layer indices in 0..3"),
+    (["trainer.context_parallel=3"], "trainer.seq_len=256 with trainer.context_parallel=3; valid: a multiple of 3"),
 ])
 def test_values_that_do_not_fit_each_other(overrides, message):
     with pytest.raises(ValueError) as e:
@@ -169,6 +170,7 @@ def test_every_shipped_config_passes():
 @pytest.mark.parametrize("overrides,line", [
     (["trainer.max_steps=0"], "error: trainer.max_steps=0; valid: an integer >= 1 or null"),
     (["data=local", "data.path=/nonexistent/x.txt"], "error: data.path '/nonexistent/x.txt' does not exist"),
+    (["trainer.context_parallel=2"], "error: trainer.context_parallel=2; valid: a divisor of the process count (1)"),
 ])
 def test_train_py_prints_one_line_and_leaves_nothing(tmp_path, overrides, line):
     """Checked before anything is written, or failing while data is prepared: either way one line, and
@@ -205,6 +207,16 @@ def test_resume_applies_what_may_change(tmp_path):
     cfg = resume_with(tmp_path, "trainer.max_steps=80", "trainer.eval_every=7", "logger=none", "trainer.sample_tokens=0")
     assert (cfg.trainer.max_steps, cfg.trainer.eval_every, cfg.logger.name, cfg.trainer.sample_tokens) == (80, 7, "none", 0)
     assert cfg.mixer.name == "gdn" and "project" not in cfg.logger  # logger=none replaced the logger group
+
+
+def test_resume_takes_the_process_layout_default_a_run_predates(tmp_path):
+    """A run saved before trainer.context_parallel existed resumes with its default, 1; on resume it may be given."""
+    saved, path = saved_run(tmp_path)
+    del saved.trainer["context_parallel"]
+    given = [f"run_dir={tmp_path}", "resume=auto"]
+    assert config_for_resume(composed(*given), saved, given, path).trainer.context_parallel == 1
+    given.append("trainer.context_parallel=2")
+    assert config_for_resume(composed(*given), saved, given, path).trainer.context_parallel == 2
 
 
 @pytest.mark.parametrize("override,key", [
