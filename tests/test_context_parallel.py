@@ -15,6 +15,7 @@ op's context-parallel form) on gloo processes, each test asserting the world, co
 - the segments of a rank's slice (where its state comes from), and the layouts CP cannot run, refused in one line.
 """
 import json
+import os
 import shutil
 import subprocess
 
@@ -30,43 +31,43 @@ from training.context_parallel import check_context_parallel
 from training.metrics import read_metrics
 
 
-@pytest.fixture(scope="module")
-def on_four_processes(tmp_path_factory):
-    """One launch of 4 gloo processes: CP 4, then 2 data replicas x CP 2 (tests/cp_worker.py)."""
-    out = tmp_path_factory.mktemp("cp")
-    proc = subprocess.run([*ddp_launcher("--num_processes", "4"), "-m", "tests.cp_worker", str(out), "4,2"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return out
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("cp", [4, 2], ids=["cp4", "dp2xcp2"])
-def test_every_mixer_equals_one_process(on_four_processes, cp):
-    result = json.loads((on_four_processes / f"cp{cp}_world4.json").read_text())
-    assert (result["world_size"], result["cp_size"], result["dp_size"]) == (4, cp, 4 // cp)
+def test_every_mixer_equals_one_process(tmp_path):
+    """One launch of 4 gloo processes (tests/cp_worker.py): CP 4, then 2 data replicas x CP 2 (one test, so that no
+    two pytest workers launch it; at a lower scheduling priority, so that its 4 processes on 2 cores do not starve a
+    test beside it that runs against the clock)."""
+    proc = subprocess.run([*ddp_launcher("--num_processes", "4"), "-m", "tests.cp_worker", str(tmp_path), "4,2"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=900, preexec_fn=lambda: os.nice(10))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     expected = cases()
     expected.update({f"{name}, whole rows": expected[name] for name in WHOLE_ROWS})
     expected.update({f"{name}, FSDP2": expected[name] for name in FSDP})
-    assert result["cases"].keys() == expected.keys() and set(MIXERS.names()) <= expected.keys()
-    for name, r in result["cases"].items():
-        for key, e in r["errors"].items():
-            if not key.startswith("aux"):  # the loss and every gradient
-                assert e["float64"] < 1e-10, (name, key, e)
-            else:  # logged metrics are float32 (AuxCollector.summary)
-                assert e["float64"] < 1e-6, (name, key, e)
-            if cp == 4:  # float32 too at the first layout: within 1e-5 of one process in float32, or no further from
-                # float64 than twice one process's own float32 error (a gradient summed with cancellation: mamba2's D)
-                assert e["float32"] <= 1e-5 or e["float32_own"] <= 2 * e["float32_floor"], (name, key, e)
-        layers = expected[name][0]
-        exchanged = set(r["exchanges"])
-        assert {"gather", "total"} <= exchanged, (name, exchanged)  # keys or states, and the loss
-        model = DecoderLM(LMConfig(vocab_size=8, hidden_size=32, num_attention_heads=2, num_hidden_layers=len(layers),
-                                   mixer=layers, mixer_options=expected[name][1]))
-        assert ("shift" in exchanged) == any(isinstance(m, ShortConv) for m in model.modules()), (name, exchanged)
-        assert ("fetch" in exchanged) == (name == "dsa"), (name, exchanged)  # the sparse stage fetches what it picked
-        # softmax attends without a mask where every row is one document (model/ops/attention_cp.py)
-        assert (r["unmasked_attention"] > 0) == (name.endswith("whole rows") and "softmax" in layers), (name, r)
+    assert set(MIXERS.names()) <= expected.keys()
+    wrong = []  # every (layout, case, value, errors) past its bound, all reported at once
+    for cp in (4, 2):
+        result = json.loads((tmp_path / f"cp{cp}_world4.json").read_text())
+        assert (result["world_size"], result["cp_size"], result["dp_size"]) == (4, cp, 4 // cp)
+        assert result["cases"].keys() == expected.keys()
+        for name, r in result["cases"].items():
+            for key, e in r["errors"].items():
+                # the loss and every gradient to 1e-10 in float64; logged metrics are float32 (AuxCollector.summary)
+                exact = e["float64"] < (1e-6 if key.startswith("aux") else 1e-10)
+                # float32 too at the first layout: within 1e-5 of one process in float32, or no further from float64
+                # than twice one process's own float32 error (a gradient summed with cancellation: mamba2's D)
+                close = cp != 4 or e["float32"] <= 1e-5 or e["float32_own"] <= 2 * e["float32_floor"]
+                if not (exact and close):
+                    wrong.append((cp, name, key, e))
+            layers = expected[name][0]
+            exchanged = set(r["exchanges"])
+            assert {"gather", "total"} <= exchanged, (cp, name, exchanged)  # keys or states, and the loss
+            model = DecoderLM(LMConfig(vocab_size=8, hidden_size=32, num_attention_heads=2,
+                                       num_hidden_layers=len(layers), mixer=layers, mixer_options=expected[name][1]))
+            convolves = any(isinstance(m, ShortConv) for m in model.modules())
+            assert ("shift" in exchanged) == convolves, (cp, name, exchanged)
+            assert ("fetch" in exchanged) == (name == "dsa"), (cp, name, exchanged)  # the sparse stage's picks
+            # softmax attends without a mask where every row is one document (model/ops/attention_cp.py)
+            assert (r["unmasked_attention"] > 0) == (name.endswith("whole rows") and "softmax" in layers), (cp, name, r)
+    assert not wrong, "\n".join(map(str, wrong))
 
 
 EVERY_MIXER = [f"model.num_hidden_layers={len(MIXERS.names())}", f"model.mixer=[{','.join(MIXERS.names())}]",
@@ -75,6 +76,7 @@ EVERY_MIXER = [f"model.num_hidden_layers={len(MIXERS.names())}", f"model.mixer=[
 
 
 SPLIT = ["trainer.context_parallel=2", "trainer.expert_parallel=2"]  # each sequence, and each MoE layer's experts
+GENTLY = ["nice", "-n", "10"]  # launches at a lower priority, as test_every_mixer_equals_one_process
 
 
 def losses(run_dir):
@@ -95,7 +97,7 @@ def test_training_follows_one_process_and_resumes_across_layouts(tmp_path, data_
 
     one, two = tmp_path / "one", tmp_path / "two"
     train_here(one, *EVERY_MIXER, cache=data_cache)
-    run_train(two, *EVERY_MIXER, *SPLIT, launcher=ddp_launcher(), cache=data_cache)
+    run_train(two, *EVERY_MIXER, *SPLIT, launcher=GENTLY + ddp_launcher(), cache=data_cache)
     info = json.loads((two / "run_info.json").read_text())
     assert (info["processes"], info["context_parallel"], info["expert_parallel"]) == (2, 2, 2)
     assert info["layer_mixers"] == MIXERS.names()
@@ -121,7 +123,7 @@ def test_training_follows_one_process_and_resumes_across_layouts(tmp_path, data_
         (target / "checkpoints").mkdir(parents=True)
         shutil.copytree(source / "checkpoints" / "step_0000010", target / "checkpoints" / "step_0000010")
     assert "saved by 2 process(es), now 1" in train_here(down, *EVERY_MIXER, "resume=auto", cache=data_cache)
-    proc = run_train(up, *EVERY_MIXER, *SPLIT, "resume=auto", launcher=ddp_launcher(), cache=data_cache)
+    proc = run_train(up, *EVERY_MIXER, *SPLIT, "resume=auto", launcher=GENTLY + ddp_launcher(), cache=data_cache)
     assert "saved by 1 process(es), now 2" in proc.stdout
     assert json.loads((up / "run_info.json").read_text())["context_parallel"] == 2
     for resumed in (down, up):
