@@ -174,13 +174,15 @@ def test_train_check_stops_a_run_at_its_slot_and_reads_it(monkeypatch, data_cach
     monkeypatch.setattr(train_checks, "train_overrides", lambda mixer, run_dir: [
         *TINY, f"mixer={mixer}", "trainer.max_steps=100000", "trainer.eval_every=100000", "trainer.ckpt_every=100000",
         "trainer.sample_tokens=0", f"run_dir={run_dir}"])
-    stage = checks_stage.Stage("train", 32, cuda=True, mixers=["softmax"], device="cpu")  # room for a loaded machine
+    # room for a loaded machine: train.py's imports alone take 10 s on a quiet 2-core one, and a multi-process test
+    # beside this one can double that
+    stage = checks_stage.Stage("train", 62, cuda=True, mixers=["softmax"], device="cpu")
     t0 = time.perf_counter()
-    stage.run([checks_stage.Check("train", train_checks.check_train, 30)])
-    assert time.perf_counter() - t0 < 30
+    stage.run([checks_stage.Check("train", train_checks.check_train, 60)])
+    assert time.perf_counter() - t0 < 60
     (row,) = stage.rows
     assert row["ok"], row["problems"]
-    assert row["windows"] >= 2 and row["steps"] < 100000 and row["tokens_per_sec"] > 0 and row["slot_s"] <= 27
+    assert row["windows"] >= 2 and row["steps"] < 100000 and row["tokens_per_sec"] > 0 and row["slot_s"] <= 57
 
 
 def test_mismatch_within_and_beyond_tolerance():
