@@ -148,13 +148,25 @@ def text_batches(dataset, column: str, max_bytes: int | None = None):
 
 # ---- tokenizer -------------------------------------------------------------------------------------
 def build_tokenizer(cfg, corpus: Corpus, cache: Path):
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    """The run's tokenizer, with a pad token (EOS where it has none): training packs its documents and never pads,
+    but an export's users pad batches of prompts (`tok(prompts, padding=True, padding_side="left")`)."""
+    from transformers import AutoTokenizer
 
     if cfg.tokenizer != "bpe":
         tok = AutoTokenizer.from_pretrained(cfg.tokenizer)
         if tok.eos_token is None:
             raise ValueError(f"tokenizer {cfg.tokenizer!r} has no EOS token to separate documents")
-        return tok
+    else:
+        tok = trained_bpe(cfg, corpus, cache)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def trained_bpe(cfg, corpus: Corpus, cache: Path):
+    """A byte-level BPE of cfg.vocab_size trained on the corpus (bpe_train_bytes of it), cached by both."""
+    from transformers import PreTrainedTokenizerFast
+
     sample = cfg.get("bpe_train_bytes")
     key = hashlib.sha1(f"{corpus.fingerprint}-{cfg.vocab_size}-{sample}".encode()).hexdigest()[:16]
     folder = cache / "tokenizers" / key

@@ -4,9 +4,8 @@ from pathlib import Path
 
 
 def harness_model(model, folder: Path, device, batch_size: int = 8):
-    """`model` with the tokenizer saved in `folder` as lm-evaluation-harness's HFLM (requirements-eval.txt).
-    Our model takes unpadded sequences only: log-likelihood requests run at any batch size, generation
-    requests need batch size 1."""
+    """`model` with the tokenizer saved in `folder` as lm-evaluation-harness's HFLM (requirements-eval.txt), at
+    any batch size: the model takes the harness's padded batches (DecoderLM.forward's attention_mask)."""
     try:
         from lm_eval.models.huggingface import HFLM
     except ImportError as e:

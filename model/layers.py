@@ -119,11 +119,45 @@ class DocumentSegments:
     earlier rank (0 where the slice starts one; always 0 on rank 0), cut [B], whether a segment starts
     inside the row's slice (its outgoing state then owes nothing to the incoming one), and last_segment
     [B], the index in cu_seqlens of each row's last segment.
+
+    A padded batch (`padded`) is a packed one whose pads are segments of their own; `real` [B, T] then marks
+    the real tokens (None without padding). A decode cache filled through segments continues each row's last
+    segment: the recurrent mixers keep its final state (last_segment), ShortConv its inputs only, and the
+    attention mixers its start (last_start), before which no later query looks.
     """
 
-    def __init__(self, position_ids: torch.Tensor, context=None):
+    @classmethod
+    def padded(cls, attention_mask: torch.Tensor, position_ids: torch.Tensor | None = None) -> "DocumentSegments":
+        """The segments of a padded batch (attention_mask [B, T], 1 at a real token, as tokenizers pad): each row's
+        real tokens are one contiguous run, its pads on either side (left or right padding); they get positions
+        0, 1, ... (rotary counts real tokens only) and the pads before and after them segments of their own, so
+        that no state, conv window or attention crosses from a pad to a real token. position_ids, if given, may
+        not start a document inside the real run (transformers' generate passes the real tokens' count, as here)."""
+        real = attention_mask.bool()
+        T = real.shape[1]
+        t = torch.arange(T, device=real.device)
+        first = torch.where(real, t, T).min(1, keepdim=True).values
+        last = torch.where(real, t, -1).max(1, keepdim=True).values
+        count = real.sum(1, keepdim=True)
+        bad = ((count == 0) | (count != last - first + 1))[:, 0].nonzero()[:, 0].tolist()
+        if bad:
+            raise ValueError(f"attention_mask must give each row one contiguous run of real tokens, padded left or "
+                             f"right; not so in row(s) {', '.join(map(str, bad))}")
+        if position_ids is not None and bool(((position_ids == 0) & real & (t > first)).any()):
+            raise ValueError("position_ids start a document inside a padded row's real tokens; a batch is padded or "
+                             "packed, not both")
+        after = first + count  # the first right pad
+        positions = torch.where(t < first, t, torch.where(t < after, t - first, t - after))
+        return cls(positions, real=real)
+
+    @cached_property
+    def last_start(self) -> torch.Tensor:
+        """[B]: where each row's last segment starts (a decode cache continues it)."""
+        return self.document_start[:, -1]
+
+    def __init__(self, position_ids: torch.Tensor, context=None, real: torch.Tensor | None = None):
         B, T = position_ids.shape
-        self.context, self.length = context, T
+        self.context, self.length, self.real = context, T, real
         self.start, self.end = (0, T) if context is None else context.bounds(T)
         starts = position_ids == 0
         starts[:, 0] = True
@@ -185,6 +219,19 @@ class DocumentSegments:
     def flatten(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] -> [1, B T, ...], the layout cu_seqlens indexes."""
         return x.reshape(1, -1, *x.shape[2:])
+
+
+def continued_positions(cache: dict | None, segments: DocumentSegments | None, T: int, device) -> torch.Tensor | None:
+    """Rotary positions [B, T] of an attention mixer's call: the segments' where given (a cache filled through them
+    keeps each row's last_start); on a cache's later calls, counted from that start; None where the positions are
+    the cache's offset onwards."""
+    if segments is not None:
+        if cache is not None:
+            cache["start"] = segments.last_start
+        return segments.position_ids
+    if cache is None or "start" not in cache:
+        return None
+    return cache["offset"] + torch.arange(T, device=device) - cache["start"][:, None]
 
 
 class KVBuffer:
@@ -317,8 +364,12 @@ class ShortConv(nn.Module):
         if past is None:
             past = x.new_zeros(B, C, W - 1)
         xp = torch.cat([past.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [B, C, W - 1 + T]
-        if cache is not None:
-            cache[key] = xp[..., -(W - 1):].detach()
+        if cache is not None:  # the last W - 1 inputs; with segments only those of the row's last segment
+            tail = xp[..., -(W - 1):].detach()
+            if segments is not None and W > 1:
+                t = torch.arange(T - (W - 1), T, device=x.device)
+                tail = tail * (t >= segments.last_start[:, None])[:, None].to(tail.dtype)
+            cache[key] = tail
         y = F.conv1d(xp, self.conv.weight, self.conv.bias, groups=C).transpose(1, 2)
         if segments is not None and W > 1:  # y_t = b + sum_lag w[W - 1 - lag] x_{t - lag}: drop lags before the segment
             b, t, lag = segments.conv_crossings(W)

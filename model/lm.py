@@ -75,7 +75,7 @@ class Block(nn.Module):
     def forward(self, x: torch.Tensor, cache: dict | None, aux: AuxCollector,
                 segments: DocumentSegments | None = None, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.mixer(self.mixer_norm(x), cache, aux, segments)
-        return x + self.ffn(self.ffn_norm(x), aux, input_ids)
+        return x + self.ffn(self.ffn_norm(x), aux, input_ids, None if segments is None else segments.real)
 
 
 class DecoderLM(PreTrainedModel, GenerationMixin):
@@ -145,8 +145,13 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         **kwargs,
     ) -> LMOutput:
         """labels follow the transformers convention: aligned with input_ids and shifted here, so
-        position t predicts labels[t + 1]; -100 is ignored. attention_mask must be all ones (packed
-        sequences carry no padding); left-padded batched generation is not supported.
+        position t predicts labels[t + 1]; -100 is ignored.
+
+        attention_mask [B, S] (1 at a real token; S = the cache's tokens and this call's): a padded batch, each
+        row's real tokens one run with pads to its left or right (DocumentSegments.padded): no pad reaches a real
+        token's output, rotary counts real tokens only, MoE layers route real tokens only, and no pad is a target
+        of the loss. With a decode cache, pad on the left (the cache continues each row after its last token):
+        greedy generate on a left-padded batch then gives what each prompt gives alone.
 
         position_ids [B, T] (document masking of a packed batch): 0 at the first token of each
         document segment, +1 within it; t = 0 always starts a segment. Each token then sees only its
@@ -157,10 +162,11 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         input_ids, labels and position_ids are the whole rows, on every rank of the group, and this rank runs
         its slice [start, end) of them (`context.bounds(T)`): logits are the slice's [B, end - start, V], the
         losses those of the whole rows (the slices' sums added over the group), as one process's."""
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("attention_mask has padding; DecoderLM takes unpadded (packed) sequences only")
         segments, T = None, input_ids.shape[1]  # the whole rows' length, context parallel or not
-        if context is not None:
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if padded:
+            segments = self.padded_segments(attention_mask, position_ids, past_key_values, use_cache, context, T)
+        elif context is not None:
             if past_key_values is not None or use_cache:
                 raise ValueError("context parallelism runs whole sequences: no decode cache")
             if position_ids is None:
@@ -189,6 +195,9 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
             # Shift the labels, not the logits: position t predicts labels[t + 1]; the last position
             # gets -100. Slicing the logits instead would copy the whole [B, T, V] tensor.
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            if padded:  # a pad neither predicts nor is predicted
+                real = segments.real if segments is not None else attention_mask[:, -T:].bool()
+                targets = targets.masked_fill(~(real & F.pad(real[:, 1:], (0, 1))), -100)
             flat = at_least_fp32(logits.flatten(0, 1))
             if context is None:
                 targets = targets.flatten()
@@ -197,14 +206,43 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
                 labelled = (targets != -100).sum()
                 targets = targets[:, segments.start:segments.end].flatten()
                 lm_loss = context.total(F.cross_entropy(flat, targets, ignore_index=-100, reduction="sum")) / labelled
-            aux.give_token_loss(lambda: F.cross_entropy(flat.detach(), targets, ignore_index=-100, reduction="none"),
-                                targets != -100, lambda: self.eval_token_loss(input_ids, segments, targets))
+            token_loss = lambda: F.cross_entropy(flat.detach(), targets, ignore_index=-100, reduction="none")  # noqa: E731
+            eval_loss = lambda: self.eval_token_loss(input_ids, segments, targets)  # noqa: E731
+            if padded:  # the tokens the MoE layers routed: the real ones
+                keep = real.flatten()
+                aux.give_token_loss(lambda: token_loss()[keep], (targets != -100)[keep], lambda: eval_loss()[keep])
+            else:
+                aux.give_token_loss(token_loss, targets != -100, eval_loss)
             aux_loss = aux.total_loss()
             loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         return LMOutput(
             loss=loss, logits=logits, past_key_values=past_key_values,
             lm_loss=lm_loss, aux_loss=aux_loss, aux_metrics=aux.summary(),
         )
+
+    @staticmethod
+    def padded_segments(attention_mask, position_ids, past_key_values, use_cache, context, T: int):
+        """The segments of a padded call (forward's docstring), or None on a decode cache's later calls, whose tokens
+        must all be real (the cache then holds each row's start: DocumentSegments.last_start)."""
+        if context is not None:
+            raise ValueError("attention_mask has padding under context parallelism, which runs packed rows only")
+        if attention_mask.shape[1] < T:
+            raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens of a call of {T}")
+        if past_key_values is None and not use_cache:
+            if attention_mask.shape[1] != T:
+                raise ValueError(f"attention_mask covers {attention_mask.shape[1]} tokens, input_ids {T}")
+            return DocumentSegments.padded(attention_mask, position_ids)
+        if past_key_values is not None and past_key_values.seen_tokens:
+            if not bool(attention_mask[:, -T:].all()):
+                raise ValueError("attention_mask pads tokens after the first call with this decode cache; only a "
+                                 "prompt may be padded, on the left")
+            return None
+        right = (~attention_mask[:, -1].bool()).nonzero()[:, 0].tolist()
+        if right:
+            raise ValueError(f"attention_mask pads the right of row(s) {', '.join(map(str, right))} with a decode "
+                             "cache, which continues each row after its last token: pad on the left "
+                             "(padding_side='left')")
+        return DocumentSegments.padded(attention_mask, position_ids)
 
     def hidden_states(self, input_ids: torch.Tensor, aux: AuxCollector | None, segments: DocumentSegments | None,
                       past_key_values: DecodeCache | None = None, offset: int = 0) -> torch.Tensor:

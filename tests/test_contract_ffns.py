@@ -119,3 +119,23 @@ def test_options_parse_from_their_defaults(ffn, router):
         if options is not None:
             defaults = {f.name: getattr(options(), f.name) for f in dataclasses.fields(options)}
             assert parse_options(name, options, defaults) == options()
+
+
+@pytest.mark.parametrize("ffn, router", BLOCKS, ids=IDS)
+def test_pads_are_left_out_of_routing_and_its_statistics(ffn, router):
+    """Three rows of 9 real tokens padded to 12 (on the left, on the right, on both sides), in training: their
+    real logits, the loss and every aux loss and metric (the MoE's balance losses and load telemetry) are those
+    of the unpadded [3, 9] batch: no pad takes a route, a slot of capacity or a share of the statistics."""
+    model, x = lm(ffn, router).train(), ids(3, 9)
+    batch, mask = torch.zeros(3, 12, dtype=torch.long), torch.zeros(3, 12, dtype=torch.long)
+    for row, start in enumerate((3, 0, 2)):
+        batch[row, start:start + 9], mask[row, start:start + 9] = x[row], 1
+    torch.manual_seed(0)  # a router that samples draws the same for the same tokens
+    padded = model(batch, attention_mask=mask, labels=batch)
+    torch.manual_seed(0)
+    plain = model(x, labels=x)
+    torch.testing.assert_close(padded.logits[mask.bool()], plain.logits.flatten(0, 1), rtol=0, atol=1e-9)
+    torch.testing.assert_close(padded.loss, plain.loss, rtol=0, atol=1e-9)
+    assert padded.aux_metrics.keys() == plain.aux_metrics.keys()
+    for name, value in plain.aux_metrics.items():
+        torch.testing.assert_close(padded.aux_metrics[name], value, rtol=0, atol=1e-6, msg=name)

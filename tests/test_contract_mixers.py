@@ -5,6 +5,8 @@ hybrid with softmax attention, at its default options:
 - cached decoding (a prefill, a chunk, single tokens) equals the full forward, and so does decoding after the
   cache is reordered as beam search does (K/V storage reserved 8 positions at a time, so that both cross its growth);
 - a packed row (document positions) equals its documents run alone;
+- padded batches (attention_mask, left or right): greedy generate of a left-padded batch equals each prompt alone,
+  and a padded forward's real logits, loss and gradients equal its rows' alone;
 - init_parameters() reaches every parameter;
 - its output leaves through the nn.Linear its `output_projection` names: y = W c (+ b) of that layer's input c;
 - one step under bf16 autocast gives finite fp32 gradients to every parameter of the mixer;
@@ -96,6 +98,66 @@ def test_a_packed_row_equals_its_documents_alone(layers):
                 torch.testing.assert_close(packed[b, start:end], alone, rtol=1e-9, atol=1e-9)
     # the masking ran: without it, the tokens after the first restart see the earlier documents
     assert not torch.allclose(packed[:, 5:], unmasked[:, 5:], atol=1e-4)
+
+
+PROMPTS = [1, 6, 13]  # a prompt shorter than a short conv's window, one with 7 pads, one with none
+PAD = VOCAB  # an id no prompt holds: generate infers no mask from it (pads are embedded as token 0)
+
+
+def padded(x: torch.Tensor, side: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows x[b, :PROMPTS[b]] padded to the longest on `side`, as a tokenizer pads, and their attention_mask."""
+    T = max(PROMPTS)
+    batch, mask = torch.zeros(len(PROMPTS), T, dtype=torch.long), torch.zeros(len(PROMPTS), T, dtype=torch.long)
+    for b, n in enumerate(PROMPTS):
+        place = slice(T - n, T) if side == "left" else slice(0, n)
+        batch[b, place], mask[b, place] = x[b, :n], 1
+    return batch, mask
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+def test_greedy_generate_on_a_left_padded_batch_equals_each_prompt_alone(layers):
+    """transformers' generate (cached decoding) of a left-padded batch: each row's tokens and every step's logits
+    those of its prompt alone; with the pads unmasked they are not (the mask was used)."""
+    model, x = lm(layers), ids(len(PROMPTS), max(PROMPTS))
+    model.generation_config.eos_token_id = None  # every row runs all its steps
+    settings = dict(max_new_tokens=4, do_sample=False, pad_token_id=PAD, output_logits=True, return_dict_in_generate=True)
+    batch, mask = padded(x, "left")
+    with torch.no_grad():
+        out = model.generate(batch, attention_mask=mask, **settings)
+        unmasked = torch.stack(model.generate(batch, attention_mask=torch.ones_like(mask), **settings).logits)
+        logits = torch.stack(out.logits)  # [steps, B, V]
+        for b, n in enumerate(PROMPTS):
+            alone = model.generate(x[b:b + 1, :n], attention_mask=torch.ones(1, n, dtype=torch.long), **settings)
+            assert out.sequences[b, max(PROMPTS):].tolist() == alone.sequences[0, n:].tolist(), b
+            torch.testing.assert_close(logits[:, b], torch.stack(alone.logits)[:, 0], rtol=0, atol=1e-9)
+            if n < max(PROMPTS):
+                assert not torch.allclose(unmasked[:, b], logits[:, b], atol=1e-4), b
+
+
+@pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_a_padded_batch_gives_each_row_its_logits_and_gradients(layers, side):
+    """A padded forward with labels: each row's real logits those of the row alone, the loss the mean over
+    every row's targets (no pad predicts or is predicted), so its gradients those of the rows' summed losses
+    over their count."""
+    model, x = lm(layers), ids(len(PROMPTS), max(PROMPTS))
+    batch, mask = padded(x, side)
+    out = model(batch, attention_mask=mask, labels=batch)
+    out.lm_loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad()
+    total = 0
+    for b, n in enumerate(PROMPTS):
+        alone = model(x[b:b + 1, :n], labels=x[b:b + 1, :n])
+        real = mask[b].bool()
+        torch.testing.assert_close(out.logits[b, real], alone.logits[0], rtol=0, atol=1e-9)
+        if n > 1:
+            (alone.lm_loss * (n - 1)).backward()
+            total += n - 1
+    assert grads and grads.keys() == {name for name, p in model.named_parameters() if p.grad is not None}
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(grads[name], p.grad / total, rtol=1e-9, atol=1e-12, msg=name)
 
 
 @pytest.mark.parametrize("layers", LAYOUTS, ids="+".join)

@@ -43,9 +43,9 @@ def inplace_baddbmm_flops(self_shape, a_shape, b_shape, *args, out_shape=None, *
 COUNTED_HERE = {aten.baddbmm_: inplace_baddbmm_flops, aten.linalg_solve_triangular: solve_triangular_flops}
 
 
-def counted_attend(q, k, v, segments=None):
+def counted_attend(q, k, v, segments=None, first_key=None):
     """Causal attention query by query over the keys it sees (the T queries are the last of k, v)."""
-    assert segments is None
+    assert segments is None and first_key is None
     Tq, Tk, H = q.shape[2], k.shape[2], q.shape[1]
     k, v = repeat_heads(k, H, dim=1), repeat_heads(v, H, dim=1)
     out = []

@@ -137,3 +137,29 @@ def test_tokenizerless_checkpoint_fails_clearly(checkpoint, tmp_path):
     bare.mkdir()
     with pytest.raises(FileNotFoundError, match="has no tokenizer"):
         harness_model(None, bare, "cpu")
+
+
+def test_harness_generation_and_log_likelihood_at_batch_8_equal_batch_1(checkpoint):
+    """Prompts of different lengths in one batch (the harness pads generation prompts on the left, scoring
+    requests on the right): generate_until's texts and the log-likelihoods at batch size 8 are batch size 1's."""
+    from lm_eval.api.instance import Instance
+
+    from evaluation.harness import harness_model
+    from training.checkpoint import load_lm
+
+    model = load_lm(checkpoint, dtype=torch.float32).eval()
+    until = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}
+    generation = [Instance(request_type="generate_until", doc=d, arguments=(d["question"], until), idx=0) for d in DOCS]
+    scoring = [Instance(request_type="loglikelihood", doc=d, arguments=(d["question"], c), idx=i)
+               for d in DOCS for i, c in enumerate(d["choices"])]
+    padded = []  # whether each forward's attention_mask held a pad
+    forward = model.forward
+    model.forward = lambda *a, attention_mask=None, **k: (padded.append(attention_mask is not None and
+                                                                         not bool(attention_mask.all())),
+                                                          forward(*a, attention_mask=attention_mask, **k))[1]
+    one, eight = (harness_model(model, checkpoint, "cpu", batch_size=size) for size in (1, 8))
+    texts = eight.generate_until(generation)
+    assert any(padded), "the batch of prompts was not padded"
+    assert texts == one.generate_until(generation) and any(texts)
+    assert [ll for ll, _ in eight.loglikelihood(scoring)] == pytest.approx([ll for ll, _ in one.loglikelihood(scoring)],
+                                                                           abs=1e-5)

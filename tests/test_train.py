@@ -38,6 +38,20 @@ def test_train_eval_export_and_evaluate(tmp_path, tiny_run):
     assert len(list((run / "checkpoints").glob("step_*"))) == 1  # step 4 (the last step exports instead)
     assert not list(run.glob(".tmp*")) and not list((run / "checkpoints").glob(".tmp*"))
 
+    # the export as docs/configuration.md loads it: prompts padded on the left into one greedy generate, each row
+    # the text its prompt gives alone
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    lm, tok = AutoModelForCausalLM.from_pretrained(final), AutoTokenizer.from_pretrained(final)
+    prompts = ["a", "a much longer prompt"]
+    inputs = tok(prompts, return_tensors="pt", padding=True, padding_side="left")
+    assert not bool(inputs["attention_mask"].all())
+    batch = lm.generate(**inputs, max_new_tokens=16, do_sample=False)[:, inputs["input_ids"].shape[1]:]
+    for row, prompt in zip(batch, prompts):
+        alone = tok(prompt, return_tensors="pt")
+        one = lm.generate(**alone, max_new_tokens=16, do_sample=False)[0, alone["input_ids"].shape[1]:]
+        assert tok.decode(row, skip_special_tokens=True) == tok.decode(one, skip_special_tokens=True), prompt
+
     out = tmp_path / "eval"
     proc = subprocess.run([sys.executable, "eval.py", f"checkpoint={run}", f"out_dir={out}", "batches=2",
                            "batch_size=4", "sample_tokens=8", "num_samples=1"],

@@ -27,7 +27,8 @@ class SwiGLU(nn.Module):
         init.normal_(self.up_proj.weight, mean=0.0, std=self.init_std)
         init.normal_(self.down_proj.weight, mean=0.0, std=self.init_std * self.residual_scale)
 
-    def forward(self, x: torch.Tensor, aux=None, token_ids=None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, aux=None, token_ids=None, real=None) -> torch.Tensor:
+        """Per token: a pad (real False) costs its compute and changes nothing else."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
     def flops_per_token(self) -> int:

@@ -173,12 +173,24 @@ class MoE(nn.Module):
             init.zeros_(self.expert_bias)
 
     # forward -----------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor, aux=None, token_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [..., d]; token_ids [...] (the input ids of x's tokens; router=hash and reinforce need them)."""
-        shape = x.shape
-        x = x.reshape(-1, shape[-1])
+    def forward(self, x: torch.Tensor, aux=None, token_ids: torch.Tensor | None = None,
+                real: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., d]; token_ids [...] (the input ids of x's tokens; router=hash and reinforce need them); real [...]
+        (a padded batch: False at a pad) leaves the pads out of routing, capacity and the statistics (their output
+        is 0)."""
+        if real is not None:
+            rows = torch.arange(x.shape[0], device=x.device)[:, None].expand(real.shape)[real]
+            out = self.route(x[real], aux, None if token_ids is None else token_ids[real], rows, x.shape[0])
+            return out.new_zeros(*real.shape, out.shape[-1]).index_put((real,), out)
+        rows = x.shape[0] if x.dim() == 3 else 1  # the sequences of the sequence-wise loss
+        token_rows = torch.arange(rows, device=x.device).repeat_interleave(x[..., 0].numel() // rows)
+        return self.route(x.reshape(-1, x.shape[-1]), aux, token_ids, token_rows, rows).view(x.shape)
+
+    def route(self, x: torch.Tensor, aux, token_ids: torch.Tensor | None, token_rows: torch.Tensor,
+              rows: int) -> torch.Tensor:
+        """The layer on x [N, d], whose tokens belong to sequences token_rows [N] of `rows`."""
         N, k, E = x.shape[0], self.top_k, self.num_experts
-        routing = self.router(x, token_ids, self.expert_bias if self.aux_free_bias else None, aux)
+        routing = self.router(x, token_ids, self.expert_bias if self.aux_free_bias else None, aux, token_rows)
 
         # Sort the S assignments by expert; stable, so tokens keep their order.
         flat = routing.expert
@@ -208,9 +220,8 @@ class MoE(nn.Module):
             c = routed.detach().float()
             self.pending_counts = c if self.pending_counts is None else self.pending_counts + c
         if aux is not None:
-            rows = shape[0] if len(shape) == 3 else 1  # the sequences of the sequence-wise loss
-            self.report(aux, routing, routed, token, N, rows)
-        return y.view(shape)
+            self.report(aux, routing, routed, token, N, token_rows, rows)
+        return y
 
     def local_experts(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """This process's experts (all of them without expert parallelism) on xs [S, d], whose rows are
@@ -229,7 +240,7 @@ class MoE(nn.Module):
         self.expert_parallel = expert_parallel
 
     def report(self, aux, routing: Routing, routed: torch.Tensor, kept_tokens: torch.Tensor, num_tokens: int,
-               rows: int) -> None:
+               token_rows: torch.Tensor, rows: int) -> None:
         """Aux losses (always, for routers with scores) and load telemetry (training only) for this layer, over the
         forward's tokens: under context parallelism over the whole sequences, every slice's statistics summed over
         the context group first (aux.over_sequence, aux.sequence_mean), so that each rank reports one process's."""
@@ -243,7 +254,7 @@ class MoE(nn.Module):
             P = aux.sequence_mean(probs)
             losses["balance_loss"] = E * (frac * P).sum()
             losses["z_loss"] = aux.sequence_mean(torch.logsumexp(routing.logits, dim=-1).square())
-            losses["sequence_balance_loss"] = sequence_balance_loss(routing, rows, aux)
+            losses["sequence_balance_loss"] = sequence_balance_loss(routing, token_rows, rows, aux)
             if G > 1:
                 losses["group_balance_loss"] = G * (group_frac * P.view(G, E // G).sum(-1)).sum()
             for name, value in losses.items():
@@ -311,19 +322,19 @@ class MoE(nn.Module):
         return (self.num_experts - self.top_k) * 3 * self.hidden_size * self.expert_size
 
 
-def sequence_balance_loss(routing: Routing, rows: int, aux=None) -> torch.Tensor:
+def sequence_balance_loss(routing: Routing, token_rows: torch.Tensor, rows: int, aux=None) -> torch.Tensor:
     """DeepSeek-V3's sequence-wise balance loss: E sum_i f_i P_i within each of the `rows` sequences of
-    the forward (f: the sequence's shares of assignments, P: its mean probs), averaged over them (under context
-    parallelism over the whole sequences: aux.over_sequence)."""
-    N, E = routing.probs.shape
+    the forward (token_rows [N]: each token's; f: the sequence's shares of assignments, P: its mean probs), averaged
+    over them (under context parallelism over the whole sequences: aux.over_sequence)."""
+    E = routing.probs.shape[1]
     counts = routing.probs.new_zeros(rows, E).index_put_(
-        (routing.token // (N // rows), routing.expert), routing.probs.new_ones(()), accumulate=True)
-    mean_probs = routing.probs.view(rows, N // rows, E).mean(1)
-    if aux is not None and aux.context is not None:
-        counts = aux.over_sequence(counts)
-        mean_probs = aux.sequence_mean(routing.probs.view(rows, N // rows, E), dim=1)
+        (token_rows[routing.token], routing.expert), routing.probs.new_ones(()), accumulate=True)
+    prob_sums = routing.probs.new_zeros(rows, E).index_add(0, token_rows, routing.probs)
+    tokens = torch.bincount(token_rows, minlength=rows).to(prob_sums.dtype)
+    if aux is not None:
+        counts, prob_sums, tokens = (aux.over_sequence(t) for t in (counts, prob_sums, tokens))
     frac = counts / counts.sum(-1, keepdim=True).clamp_min(1)
-    return E * (frac * mean_probs).sum(-1).mean()
+    return E * (frac * prob_sums / tokens[:, None]).sum(-1).mean()
 
 
 @contextmanager

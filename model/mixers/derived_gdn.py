@@ -45,15 +45,19 @@ class DerivedGDN(SoftmaxAttention):
         k, v = repeat_heads(k, self.num_heads), repeat_heads(v, self.num_heads)  # GQA
         if segments is not None and segments.context is not None:  # this rank's slice: t, sums and state passed along
             return derived_gated_delta_rule_cp(q, k, v, segments, clamp_ktil=self.clamp_ktil)
-        if segments is not None:  # the recursion (and its 1/t gates) restarts at each segment
-            o, _ = derived_gated_delta_rule(*(segments.flatten(x) for x in (q, k, v)), clamp_ktil=self.clamp_ktil,
-                                            cu_seqlens=segments.cu_seqlens)
-            return o.view(*q.shape[:3], -1)
-        state = None
-        if cache is not None and "A" in cache:
-            state = {key: cache[key] for key in STATE_KEYS}
-        o, state = derived_gated_delta_rule(q, k, v, initial_state=state, output_final_state=cache is not None,
-                                            clamp_ktil=self.clamp_ktil)
+        if segments is not None:  # the recursion (and its 1/t gates) restarts at each segment; a cache keeps each
+            # row's last one's (t then one count per row)
+            o, state = derived_gated_delta_rule(*(segments.flatten(x) for x in (q, k, v)), clamp_ktil=self.clamp_ktil,
+                                                cu_seqlens=segments.cu_seqlens, output_final_state=cache is not None)
+            o = o.view(*q.shape[:3], -1)
+            if state is not None:
+                state = {key: val[segments.last_segment] for key, val in state.items()}
+        else:
+            state = None
+            if cache is not None and "A" in cache:
+                state = {key: cache[key] for key in STATE_KEYS}
+            o, state = derived_gated_delta_rule(q, k, v, initial_state=state, output_final_state=cache is not None,
+                                                clamp_ktil=self.clamp_ktil)
         if cache is not None:
             cache.update({key: val.detach() if torch.is_tensor(val) else val for key, val in state.items()})
         return o

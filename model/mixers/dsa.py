@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 from transformers import initialization as init
 
-from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding
+from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding, continued_positions
 from model.mixers.softmax import SoftmaxAttention, attend
 from model.ops.lightning_indexer import index_scores, index_scores_at, index_topk
 from model.ops.sparse_attention import Selection, dense_attention_probs, selected_attention
@@ -47,12 +47,14 @@ class DSAOptions:
     indexer_loss_coef: float = option(1.0, at_least=0)
 
 
-def indexer_kl(p: torch.Tensor, logits: torch.Tensor, aux=None) -> torch.Tensor:
+def indexer_kl(p: torch.Tensor, logits: torch.Tensor, aux=None, real: torch.Tensor | None = None) -> torch.Tensor:
     """mean over queries of KL(p || softmax(logits)) = sum_s p_s (log p_s - log_softmax(logits)_s), over
     the last dim; -inf logits mark keys outside the candidate set (where p = 0). With aux (AuxCollector) the
-    mean is over the whole sequences' queries under context parallelism."""
+    mean is over the whole sequences' queries under context parallelism; with real [B, T] (a padded batch) over
+    the real queries."""
     log_q = logits.log_softmax(-1).masked_fill(logits == float("-inf"), 0)
-    kl = (torch.xlogy(p, p) - p * log_q).sum(-1).flatten()
+    kl = (torch.xlogy(p, p) - p * log_q).sum(-1)
+    kl = kl.flatten() if real is None else kl[real]
     return kl.mean() if aux is None else aux.sequence_mean(kl)
 
 
@@ -123,14 +125,19 @@ class DSAttention(SoftmaxAttention):
         B, T, _ = x.shape
         offset = cache["offset"] if cache is not None else 0
         context = None if segments is None else segments.context
-        positions = None if segments is None else segments.position_ids
+        positions = continued_positions(cache, segments, T, x.device)
         seg = None if segments is None else segments.segment_ids  # the keys' documents [B, S]
         q, k, v = self.project(x, offset, positions)  # [B, T, H(kv), D]
         q_i, k_i, w = self.indexer(x.detach(), offset, positions)
+        first_key = None
         if cache is not None:
             if "k" not in cache:
                 cache.update(k=KVBuffer(dim=1), v=KVBuffer(dim=1), index_k=KVBuffer(dim=1))
             k, v, k_i = cache["k"].append(k), cache["v"].append(v), cache["index_k"].append(k_i)
+            if segments is None and "start" in cache:  # a cache's later calls: the keys of each row's last segment
+                first_key = cache["start"]
+                keys = torch.arange(k.shape[1], device=x.device)
+                seg = torch.where(keys >= first_key[:, None], first_key[:, None], -1)
         length = k.shape[1]  # the keys of the whole sequence (under context parallelism: the whole rows')
         if context is not None:
             offset, length, own = segments.start, segments.length, (k, v)
@@ -152,7 +159,7 @@ class DSAttention(SoftmaxAttention):
         else:
             if context is not None:
                 k, v = (context.gather_sequence(t, segments.end) for t in (k, v))
-            o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), segments).transpose(1, 2)
+            o = attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), segments, first_key).transpose(1, 2)
         if report:
             if sparse:
                 logits = index_scores_at(q_i, k_i, w, selection)
@@ -160,16 +167,18 @@ class DSAttention(SoftmaxAttention):
                 p = dense_attention_probs(q, k, offset, segment_ids=seg)
                 logits = index_scores(q_i, k_i, w, offset, segment_ids=seg)
             # L_I = mean_t KL(p_t || softmax(I_t)) over the selected keys (all causal keys in warm-up)
-            aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits, aux), self.indexer_loss_coef)
+            real = None if segments is None else segments.real  # a padded batch: its pads' queries left out
+            aux.add_loss("dsa/indexer_kl", indexer_kl(p, logits, aux, real), self.indexer_loss_coef)
             if not self.training:
                 every_key = k if context is None or not sparse else context.gather_sequence(own[0], segments.end)
-                self.report_recall(aux, q, every_key, indices, offset, seg)
+                self.report_recall(aux, q, every_key, indices, offset, seg, real)
         return self.o_proj(o.reshape(B, T, -1))
 
-    def report_recall(self, aux, q, k, indices, offset: int = 0, segment_ids=None) -> None:
-        """sum over the selected keys of the dense head-averaged attention probability, mean over queries."""
+    def report_recall(self, aux, q, k, indices, offset: int = 0, segment_ids=None, real=None) -> None:
+        """sum over the selected keys of the dense head-averaged attention probability, mean over (real) queries."""
         p = dense_attention_probs(q, k, offset, segment_ids=segment_ids).gather(-1, indices.clamp(min=0))
-        aux.add_metric("dsa/topk_attention_recall", aux.sequence_mean((p * (indices >= 0)).sum(-1).flatten()))
+        recall = (p * (indices >= 0)).sum(-1)
+        aux.add_metric("dsa/topk_attention_recall", aux.sequence_mean(recall.flatten() if real is None else recall[real]))
 
     def flops_per_token(self, seq_len: int, device) -> float:
         """Projections, attention over min(topk, t) keys at position t (all t keys in warm-up), and the indexer

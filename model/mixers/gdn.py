@@ -124,10 +124,11 @@ class DeltaRuleBlock(nn.Module):
         state = cache.get("state") if cache is not None else None
         if segments is not None and segments.context is not None:  # this rank's slice, the state passed along
             o = gated_delta_rule_cp(q, k, v, g, beta, segments, chunk_size=self.chunk_size)
-        elif segments is not None:  # the state restarts at each segment
-            o, _ = chunk_gated_delta_rule(*(None if t is None else segments.flatten(t) for t in (q, k, v, g, beta)),
-                                          chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
-            o = o.view(B, T, Hv, V)
+        elif segments is not None:  # the state restarts at each segment; a cache keeps each row's last one's
+            o, state = chunk_gated_delta_rule(*(None if t is None else segments.flatten(t) for t in (q, k, v, g, beta)),
+                                              chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens,
+                                              output_final_state=cache is not None)
+            o, state = o.view(B, T, Hv, V), None if state is None else state[segments.last_segment]
         elif cache is not None and T == 1:
             o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
                                                         output_final_state=True)

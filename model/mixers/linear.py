@@ -52,15 +52,20 @@ class LinearAttention(SoftmaxAttention):
         k, v = repeat_heads(k, self.num_heads), repeat_heads(v, self.num_heads)  # GQA
         if segments is not None and segments.context is not None:  # this rank's slice, the state passed along
             return chunk_linear_attn_cp(q, k, v, segments, normalize=self.normalize, chunk_size=self.chunk_size)
-        if segments is not None:  # the state (and the normaliser's key sum) restarts at each segment
-            o, _ = chunk_linear_attn(*(segments.flatten(x) for x in (q, k, v)), normalize=self.normalize,
-                                     chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens)
-            return o.view(*q.shape[:3], -1)
-        state = None
-        if cache is not None and "state" in cache:
-            state = (cache["state"], cache["key_sum"]) if self.normalize else cache["state"]
-        o, state = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=cache is not None,
-                                     normalize=self.normalize, chunk_size=self.chunk_size)
+        if segments is not None:  # the state (and the normaliser's key sum) restarts at each segment; a cache keeps
+            # each row's last one's
+            o, state = chunk_linear_attn(*(segments.flatten(x) for x in (q, k, v)), normalize=self.normalize,
+                                         chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens,
+                                         output_final_state=cache is not None)
+            o = o.view(*q.shape[:3], -1)
+            if state is not None:
+                state = tuple(s[segments.last_segment] for s in state) if self.normalize else state[segments.last_segment]
+        else:
+            state = None
+            if cache is not None and "state" in cache:
+                state = (cache["state"], cache["key_sum"]) if self.normalize else cache["state"]
+            o, state = chunk_linear_attn(q, k, v, initial_state=state, output_final_state=cache is not None,
+                                         normalize=self.normalize, chunk_size=self.chunk_size)
         if cache is not None:
             if self.normalize:
                 cache["state"], cache["key_sum"] = state[0].detach(), state[1].detach()

@@ -105,10 +105,13 @@ class Mamba2(nn.Module):
         if segments is not None and segments.context is not None:  # this rank's slice, the state passed along
             y = mamba_chunk_scan_cp(xs, dt, A, B, C, self.chunk_size, segments, D=self.D, dt_bias=self.dt_bias,
                                     dt_softplus=True, allow_neg_eigval=self.allow_neg_eigval)
-        elif segments is not None:  # the state restarts at each segment
+        elif segments is not None:  # the state restarts at each segment; a cache keeps each row's last one's
             xs, dt, B, C = (segments.flatten(t) for t in (xs, dt, B, C))
             y = mamba_chunk_scan(xs, dt, A, B, C, self.chunk_size, D=self.D, dt_bias=self.dt_bias, dt_softplus=True,
-                                 cu_seqlens=segments.cu_seqlens, allow_neg_eigval=self.allow_neg_eigval)
+                                 cu_seqlens=segments.cu_seqlens, allow_neg_eigval=self.allow_neg_eigval,
+                                 return_final_states=cache is not None)
+            if cache is not None:
+                y, state = y[0], y[1][segments.last_segment]
         elif cache is not None and T == 1:
             if state is None:
                 state = x.new_zeros(Bsz, H, P, N, dtype=torch.float32)

@@ -18,7 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
-from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding, residual_scale
+from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding, continued_positions, residual_scale
 from model.ops.attention_cp import causal_attention_after
 from model.registry import MIXERS
 
@@ -68,7 +68,7 @@ class SoftmaxAttention(nn.Module):
                 segments: DocumentSegments | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         offset = cache["offset"] if cache is not None else 0
-        q, k, v = self.project(x, offset, None if segments is None else segments.position_ids)
+        q, k, v = self.project(x, offset, continued_positions(cache, segments, T, x.device))
         o = self.core(q, k, v, cache, aux, segments)  # [B, T, H, D]
         return self.o_proj(o.reshape(B, T, -1))
 
@@ -80,7 +80,7 @@ class SoftmaxAttention(nn.Module):
             if "k" not in cache:
                 cache["k"], cache["v"] = KVBuffer(dim=2), KVBuffer(dim=2)
             k, v = cache["k"].append(k), cache["v"].append(v)
-        o = attend(q, k, v, segments)
+        o = attend(q, k, v, segments, None if cache is None or segments is not None else cache.get("start"))
         return o.transpose(1, 2)
 
     def projection_flops(self) -> float:
@@ -94,12 +94,18 @@ class SoftmaxAttention(nn.Module):
         return self.projection_flops() + 2 * 2 * self.num_heads * self.head_dim * (seq_len + 1) / 2
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments | None = None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments | None = None,
+           first_key: torch.Tensor | None = None) -> torch.Tensor:
     """Causal SDPA for q [B, H, Tq, D] whose Tq positions are the last ones of k, v [B, Hkv, Tk, D];
-    with segments (no cache), causal within each document segment only (Tq = Tk, or under context
-    parallelism this rank's slice of queries over the keys up to its end)."""
+    with segments, causal within each document segment only (Tq = Tk, or under context parallelism this rank's
+    slice of queries over the keys up to its end); with first_key [B] (a cache's later calls, continuing each row's
+    last segment), over the keys from there."""
     Tq, Tk = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if first_key is not None:
+        keys = torch.arange(Tk, device=q.device)
+        mask = (keys >= first_key[:, None])[:, None, None] & (keys <= keys[Tk - Tq:, None])  # [B, 1, Tq, Tk]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
     if segments is not None:
         if q.is_cuda:
             return _flex_attention()(q, k, v, block_mask=segments.attention_mask, enable_gqa=gqa)

@@ -345,9 +345,10 @@ def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_fin
     dtype, cd = v.dtype, accumulation_dtype(v.dtype)
     root = (K ** -0.5 if scale is None else scale) ** 0.5
     q, k, v = q.to(cd) * root, k.to(cd) * root, v.to(cd)
-    t0 = 0 if initial_state is None else initial_state["t"]
+    t0 = 0 if initial_state is None else initial_state["t"]  # an int, or per row [B]
     if cu_seqlens is None:
-        t = torch.arange(t0 + 1, t0 + T + 1, dtype=cd, device=q.device)[None, :, None]  # [1, T, 1]
+        t = torch.arange(1, T + 1, dtype=cd, device=q.device)[None, :, None]  # [1, T, 1]
+        t = t + (t0 if isinstance(t0, int) else t0.to(cd)[:, None, None])
         k_sum, v_sum = k.cumsum(1), v.cumsum(1)
     else:
         check_packed(q, cu_seqlens, initial_state)

@@ -15,8 +15,10 @@ Interface (the MoE in model/ffn/moe.py owns the dispatch, capacity, the balance 
         Options = NameOptions                 # a dataclass of model/options.py `option` fields: only what it uses
         router = Name(config: LMConfig, layer_idx: int, moe: MoEOptions)
             # its options: moe.options_for_router(Options), from the MoE's router_options (checked there, one line)
-        routing = router(x [N, d], token_ids: [B, T] | None, selection_bias: [E] | None, aux: AuxCollector | None)
-            # -> Routing (routing.py); token_ids: x's input ids; selection_bias: the MoE's aux-free bias
+        routing = router(x [N, d], token_ids: [B, T] or [N] | None, selection_bias: [E] | None,
+                         aux: AuxCollector | None, token_rows: [N] | None)
+            # -> Routing (routing.py); token_ids: x's input ids; selection_bias: the MoE's aux-free bias;
+            # token_rows: each token's row (non-decreasing; a padded batch routes only its real tokens, [N] of them)
         router.init_parameters()              # its own parameters, through transformers.initialization
         router.flops_per_token() -> float     # its own forward FLOPs per token (the MoE adds the experts')
         router.experts_per_token() -> float   # experts a token runs through in training (default k)

@@ -37,7 +37,7 @@ class Balanced(BatchRouter):
     Options = BalancedOptions
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
+                selection_bias: torch.Tensor | None = None, aux=None, token_rows: torch.Tensor | None = None) -> Routing:
         logits, scores, probs = self.scores(x)
         if self.routes_batch():
             experts = balanced_assignment(scores.detach().clamp_min(1e-30).log(), self.top_k, self.options.sinkhorn_iterations)

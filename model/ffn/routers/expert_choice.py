@@ -37,7 +37,7 @@ class ExpertChoice(BatchRouter):
         return min(num_tokens, math.ceil(self.options.capacity_factor * num_tokens * self.top_k / self.num_experts))
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
+                selection_bias: torch.Tensor | None = None, aux=None, token_rows: torch.Tensor | None = None) -> Routing:
         logits, scores, probs = self.scores(x)
         scale = self.options.route_scale
         if not self.routes_batch():

@@ -53,7 +53,7 @@ class Hash(Router):
         return (a[:, None] * (r[:, None] + slots) + c[:, None]) % E
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
+                selection_bias: torch.Tensor | None = None, aux=None, token_rows: torch.Tensor | None = None) -> Routing:
         if token_ids is None or token_ids.numel() != x.shape[0]:
             raise ValueError("router=hash needs the input token ids of the forward's tokens (moe(x, aux, token_ids))")
         experts = self.experts(token_ids.reshape(-1))

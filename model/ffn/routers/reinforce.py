@@ -94,12 +94,21 @@ def fmix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def context_keys(token_ids: torch.Tensor) -> torch.Tensor:
-    """token ids [B, T] (or [T]) -> an int64 key [B T] per token: the hash of its row's ids up to it."""
-    ids = token_ids.reshape(-1, token_ids.shape[-1]).long()
-    powers = torch.tensor(prime_powers(ids.shape[1]), device=ids.device)
-    # each term < 2^31 (ids < 2^31, powers < 2^31, products reduced), so the cumsum stays exact in int64
-    return ((ids % MODULUS) * powers % MODULUS).cumsum(-1).flatten() % MODULUS
+def context_keys(token_ids: torch.Tensor, token_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """token ids [B, T] (or [T]) -> an int64 key [B T] per token: the hash of its row's ids up to it; or with
+    token_rows [N] (non-decreasing: each token's row, as a padded batch's real tokens), ids [N] hashed within their
+    rows."""
+    if token_rows is None:
+        ids = token_ids.reshape(-1, token_ids.shape[-1]).long()
+        token_rows = torch.arange(ids.shape[0], device=ids.device).repeat_interleave(ids.shape[1])
+    ids = token_ids.reshape(-1).long()
+    row_start = torch.searchsorted(token_rows, token_rows)  # the index of each token's row's first token
+    powers = torch.tensor(prime_powers(ids.numel()), device=ids.device)[torch.arange(ids.numel(), device=ids.device)
+                                                                         - row_start]
+    # each term < 2^31 (ids < 2^31, powers < 2^31, products reduced), so the cumsums stay exact in int64
+    terms = (ids % MODULUS) * powers % MODULUS
+    sums = terms.cumsum(0)
+    return (sums - sums[row_start] + terms[row_start]) % MODULUS
 
 
 @functools.cache
@@ -226,7 +235,7 @@ class Reinforce(ScoredRouter):
                                dtype=torch.float64, device=self.steps.device)
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
+                selection_bias: torch.Tensor | None = None, aux=None, token_rows: torch.Tensor | None = None) -> Routing:
         """With aux (a training forward), the router's loss waits for each token's LM loss (aux.on_token_loss)."""
         logits = self.logits(x)
         scores = logits.softmax(-1)
@@ -240,7 +249,7 @@ class Reinforce(ScoredRouter):
             raise ValueError("router=reinforce needs the input token ids of the forward's tokens (its sampling is seeded by them)")
         temperature = self.temperature()
         log_policy = (policy_logits / temperature).log_softmax(-1)
-        noise = gumbel_noise(context_keys(token_ids), self.num_experts, salt=self.steps * 1024 + self.layer_idx)
+        noise = gumbel_noise(context_keys(token_ids, token_rows), self.num_experts, salt=self.steps * 1024 + self.layer_idx)
         experts = (log_policy.detach().double() + noise).topk(self.top_k, dim=-1).indices
         # which of greedy's k experts the draw also made: its share is token_choice_overlap (the MoE logs it)
         agrees = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, experts, True).gather(1, greedy)

@@ -29,7 +29,7 @@ class TopK(TokenChoiceRouter):
     takes_selection_bias = True
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None,
-                selection_bias: torch.Tensor | None = None, aux=None) -> Routing:
+                selection_bias: torch.Tensor | None = None, aux=None, token_rows: torch.Tensor | None = None) -> Routing:
         logits, scores, probs = self.scores(x)
         choice = scores.detach()
         if selection_bias is not None:
