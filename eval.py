@@ -11,6 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from evaluation.run import register_hydra
+from training.validation import error_message
 
 register_hydra()
 
@@ -39,8 +40,8 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
 def main(cfg: DictConfig) -> None:
     try:
         evaluate_checkpoint(cfg)
-    except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one line, no traceback
-        sys.exit(f"error: {e}")
+    except (ValueError, FileNotFoundError) as e:  # configuration and input errors: a line each, no traceback
+        sys.exit(error_message(e))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from training.config import check_group_overrides, register_hydra
+from training.validation import error_message
 
 register_hydra()
 
@@ -32,7 +33,7 @@ def main(cfg: DictConfig) -> float:
         return train(checked_config(cfg, HydraConfig.get().overrides.task))
     except (ValueError, FileNotFoundError) as e:  # configuration and input errors: one line, no traceback,
         remove_hydra_only_dir(Path(HydraConfig.get().runtime.output_dir))  # and no run dir left behind
-        message = f"error: {e}"
+        message = error_message(e)
     except SystemExit as e:  # non-finite loss: already reported
         if not (multirun and e.code):
             raise
@@ -82,5 +83,5 @@ if __name__ == "__main__":
         try:
             check_multirun([a for a in sys.argv[1:] if not a.startswith("-")])
         except ValueError as e:
-            sys.exit(f"error: {e}")
+            sys.exit(error_message(e))
     main()

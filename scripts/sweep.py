@@ -19,6 +19,7 @@ from pathlib import Path
 
 from analysis.runner import LAUNCHERS, ROOT, launcher_command, run_jobs, summary_lines
 from analysis.sweep import MATCH, plan, with_config_axes
+from training.validation import error_message
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         jobs, group = plan(with_config_axes(args.overrides), out, args.match_params)
     except ValueError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(error_message(e))
     launcher = launcher_command(args.launcher, args.accelerate_config, args.num_processes)
     shown = "python" if args.launcher == "python" else " ".join(["accelerate launch", *launcher[3:]])
     print(f"sweep of {len(jobs)} job(s) -> {out}\nlauncher: {shown} train.py ..."

@@ -143,10 +143,10 @@ def test_bad_eval_value_is_one_line(key, value):
     (["trainer.schedule=wsd", "trainer.warmup_steps=110"], "trainer.warmup_steps=110; valid with schedule=wsd: <= "),
     (["data.vocab_size=200"], "data.vocab_size=200; valid: >= 257 with data.tokenizer=bpe"),
     (["model.mixer=[gdn,softmax]"], "model.mixer lists 2 layers; valid: one name per layer (model.num_hidden_layers=4)"),
-    (["init_from=x", "linearize.transfer_steps=100", "linearize.distill_steps=30"],
+    (["init_from=x", "objective=linearize", "linearize.transfer_steps=100", "linearize.distill_steps=30"],
      "linearize.transfer_steps=100 + linearize.distill_steps=30; valid: <= trainer.max_steps=120"),
-    (["linearize.distill_steps=30"], "linearize.transfer_steps=0, linearize.distill_steps=30 with init_from=null; "
-                                     "valid: init_from=<the softmax teacher"),
+    (["objective=linearize", "linearize.distill_steps=30"],
+     "linearize.transfer_steps=0, linearize.distill_steps=30 with init_from=null; valid: init_from=<the softmax teacher"),
     (["mixer=derived_gdn", "linearize.keep_softmax=auto:5"], "linearize.keep_softmax=auto:5; valid: null, a list of "
      "layer indices in 0..3, or auto:<m> with 1 <= m <= 4 (the student's non-softmax layers)"),
     (["model.mixer=[derived_gdn,softmax,gdn,softmax]", "linearize.keep_softmax=auto:x"],
@@ -171,15 +171,42 @@ def test_every_shipped_config_passes():
     (["trainer.max_steps=0"], "error: trainer.max_steps=0; valid: an integer >= 1 or null"),
     (["data=local", "data.path=/nonexistent/x.txt"], "error: data.path '/nonexistent/x.txt' does not exist"),
     (["trainer.context_parallel=2"], "error: trainer.context_parallel=2; valid: a divisor of the process count (1)"),
+    # several bad keys: every one named in the one launch, a line each (values, a block option, a check between keys)
+    (["trainer.batch_size=0", "trainer.lr=-1", "model.num_attention_heads=3", "mixer=gdn", "mixer.options.conv_size=0",
+      "model.mixer=[gdn,nope,gdn,gdn]"],
+     "error: trainer.batch_size=0; valid: an integer >= 1\n"
+     "error: trainer.lr=-1; valid: a number >= 0\n"
+     "error: model.mixer: unknown mixer 'nope'; valid: deltanet, derived_gdn, dsa, gdn, kda, linear, mamba2, softmax\n"
+     "error: mixer.options: gdn conv_size=0; valid: an integer >= 1\n"
+     "error: model.hidden_size=256 does not split into model.num_attention_heads=3 heads; valid: a multiple of 3"),
 ])
-def test_train_py_prints_one_line_and_leaves_nothing(tmp_path, overrides, line):
-    """Checked before anything is written, or failing while data is prepared: either way one line, and
-    no run dir (not even Hydra's .hydra/), here the default one (outputs/<date>/<time>_<name> under the
-    working directory, as a first `python train.py` makes it: no run_dir given)."""
+def test_train_py_prints_each_problem_once_and_leaves_nothing(tmp_path, overrides, line):
+    """Checked before anything is written, or failing while data is prepared: either way a line per problem, all
+    in one launch, and no run dir (not even Hydra's .hydra/), here the default one (outputs/<date>/<time>_<name>
+    under the working directory, as a first `python train.py` makes it: no run_dir given)."""
     proc = subprocess.run([sys.executable, str(ROOT / "train.py"), *overrides], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 1 and proc.stderr.strip() == line, proc.stderr[-2000:]
     assert not list(tmp_path.iterdir())
+
+
+def test_a_sweep_and_eval_name_every_problem_at_once():
+    """train.py -m's check of every job (training/jobs.py check_multirun) and eval.py's: every bad key of every
+    job in one error, a line each."""
+    from training.jobs import check_multirun
+
+    with pytest.raises(ValueError) as e:
+        check_multirun(["trainer.lr=-1,-2", "trainer.batch_size=0"])
+    assert str(e.value).splitlines() == [
+        "job 0 of 2 (trainer.lr=-1 trainer.batch_size=0): trainer.batch_size=0; valid: an integer >= 1",
+        "job 0 of 2 (trainer.lr=-1 trainer.batch_size=0): trainer.lr=-1; valid: a number >= 0",
+        "job 1 of 2 (trainer.lr=-2 trainer.batch_size=0): trainer.batch_size=0; valid: an integer >= 1",
+        "job 1 of 2 (trainer.lr=-2 trainer.batch_size=0): trainer.lr=-2; valid: a number >= 0"]
+    cfg = OmegaConf.load(ROOT / "configs" / "eval.yaml")
+    cfg.batch_size, cfg.suite = 0, ["nope"]
+    with pytest.raises(ValueError) as e:
+        check_eval_config(cfg)
+    assert [line.split(";")[0] for line in str(e.value).splitlines()] == ["batch_size=0", "suite=['nope']: unknown suite 'nope'"]
 
 
 # ---- resume -------------------------------------------------------------------------------------

@@ -68,11 +68,13 @@ def multirun_jobs(overrides: list[str]) -> list[list[str]]:
 
 
 def check_multirun(overrides: list[str]) -> None:
-    """Every job of `train.py -m <overrides>` checked (check_job) before Hydra launches the first;
-    the first bad one is a one-line error naming the job."""
-    jobs = multirun_jobs(overrides)
+    """Every job of `train.py -m <overrides>` checked (check_job) before Hydra launches the first: every
+    problem of every job at once, one line each naming its job."""
+    jobs, problems = multirun_jobs(overrides), []
     for i, job in enumerate(jobs):
         try:
             check_job(compose(job), job)
         except ValueError as e:
-            raise ValueError(f"job {i} of {len(jobs)} ({' '.join(job)}): {e}") from None
+            problems += [f"job {i} of {len(jobs)} ({' '.join(job)}): {line}" for line in str(e).splitlines()]
+    if problems:
+        raise ValueError("\n".join(problems))

@@ -1,5 +1,5 @@
 """Every trainer, model, data, optimizer and eval option's valid values, checked once, before anything is
-written: a bad value is one line naming the key, the value and what is valid.
+written: every bad value at once, one line each naming the key, the value and what is valid.
 
 TRAIN_RULES / EVAL_RULES map a dotted key (list elements as key[]) to its Rule; every number or flag in a composed train.py / eval.py config must
 have one (tests/test_validation.py enforces that, so a new option cannot go unchecked). Checks between
@@ -168,87 +168,150 @@ def rule_for(key: str, rules: dict) -> Rule | None:
     return rules.get(re.sub(r"\[\d+\]", "[]", key))
 
 
-def check_rules(values: dict, rules: dict) -> None:
-    for key, value in values.items():
-        if (rule := rule_for(key, rules)) is not None and not rule.accepts(value):
-            raise ValueError(f"{key}={value!r}; valid: {rule.valid()}")
+def rule_problems(values: dict, rules: dict) -> dict[str, str]:
+    """{key: its one-line problem} for every value its rule refuses."""
+    return {key: f"{key}={value!r}; valid: {rule.valid()}" for key, value in values.items()
+            if (rule := rule_for(key, rules)) is not None and not rule.accepts(value)}
+
+
+def error_message(e: Exception) -> str:
+    """What an entry point exits with: each line of e as `error: <line>` (a config's problems come all at once)."""
+    return "\n".join(f"error: {line}" for line in str(e).splitlines())
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Every problem at once: a ValueError of one line each (the entry points print each as `error: <line>`)."""
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
 def check_train_config(cfg) -> None:
-    """The options of a composed train.py config, then the checks between them that need no data or
-    process count (training/run.py checks the batch against the processes, data/ the sequences)."""
+    """The options of a composed train.py config, the blocks' options and the checks between keys that need no
+    data or process count (training/run.py checks the batch against the processes, data/ the sequences): every
+    problem at once, one line each."""
+    raise_problems(train_config_problems(cfg))
+
+
+def train_config_problems(cfg) -> list[str]:
+    """check_train_config's problems. A check between keys runs only where the keys it reads passed their own."""
     values = leaves(OmegaConf.to_container(cfg, resolve=True))
-    check_rules(values, TRAIN_RULES)
+    bad = rule_problems(values, TRAIN_RULES)
+    problems = list(bad.values()) + block_problems(cfg)
+
+    def fine(*keys: str) -> bool:  # no problem found in these keys yet
+        return not any(key in bad for key in keys)
+
+    def blame(*keys: str) -> None:  # a failed check between keys: the later checks that read them are skipped
+        bad.update(dict.fromkeys(keys, ""))
+
     m, tc = cfg.model, cfg.trainer
-    if m.hidden_size % m.num_attention_heads:
-        raise ValueError(f"model.hidden_size={m.hidden_size} does not split into model.num_attention_heads="
-                         f"{m.num_attention_heads} heads; valid: a multiple of {m.num_attention_heads}")
-    if m.num_key_value_heads and m.num_attention_heads % m.num_key_value_heads:
-        raise ValueError(f"model.num_key_value_heads={m.num_key_value_heads}; valid: a divisor of "
-                         f"model.num_attention_heads={m.num_attention_heads}")
-    if tc.batch_size % tc.grad_accum:
-        raise ValueError(f"trainer.grad_accum={tc.grad_accum}; valid: a divisor of trainer.batch_size={tc.batch_size}")
-    if tc.seq_len % tc.context_parallel:
-        raise ValueError(f"trainer.seq_len={tc.seq_len} with trainer.context_parallel={tc.context_parallel}; valid: a "
-                         f"multiple of {tc.context_parallel} (every rank holds an equal slice of each sequence)")
-    if tc.seq_len > m.max_position_embeddings:
-        raise ValueError(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings={m.max_position_embeddings}")
-    if cfg.data.name == "state_tracking" and (longest := eval_length(tc.seq_len)) > m.max_position_embeddings:
-        factor = longest // tc.seq_len
-        raise ValueError(f"trainer.seq_len={tc.seq_len}; valid with data=state_tracking (tested at {factor} x trainer.seq_len "
-                         f"= {longest} tokens): <= model.max_position_embeddings / {factor} = {m.max_position_embeddings // factor}")
-    if cfg.data.get("tokenizer") == "bpe" and cfg.data.vocab_size < 257:
-        raise ValueError(f"data.vocab_size={cfg.data.vocab_size}; valid: >= 257 with data.tokenizer=bpe "
-                         f"(its 256 byte tokens and EOS)")
-    if tc.get("flops_budget") is not None and tc.get("tokens_budget") is not None:
-        raise ValueError(f"trainer.flops_budget={tc.flops_budget:g} and trainer.tokens_budget={tc.tokens_budget:g}; "
-                         f"valid: one of them")
-    if tc.max_steps is None and given_budget(tc) is None:
-        raise ValueError("trainer.max_steps=null; valid: a positive integer, or null with trainer.flops_budget or "
-                         "trainer.tokens_budget (which set it)")
-    if tc.max_steps is not None:  # with a budget, training/run.py checks these once it has set the steps
-        check_steps(cfg)
+    if fine("model.hidden_size", "model.num_attention_heads") and m.hidden_size % m.num_attention_heads:
+        blame("model.hidden_size", "model.num_attention_heads")
+        problems.append(f"model.hidden_size={m.hidden_size} does not split into model.num_attention_heads="
+                        f"{m.num_attention_heads} heads; valid: a multiple of {m.num_attention_heads}")
+    if (fine("model.num_key_value_heads", "model.num_attention_heads") and m.num_key_value_heads
+            and m.num_attention_heads % m.num_key_value_heads):
+        problems.append(f"model.num_key_value_heads={m.num_key_value_heads}; valid: a divisor of "
+                        f"model.num_attention_heads={m.num_attention_heads}")
+    if fine("trainer.batch_size", "trainer.grad_accum") and tc.batch_size % tc.grad_accum:
+        problems.append(f"trainer.grad_accum={tc.grad_accum}; valid: a divisor of trainer.batch_size={tc.batch_size}")
+    if fine("trainer.seq_len", "trainer.context_parallel") and tc.seq_len % tc.context_parallel:
+        problems.append(f"trainer.seq_len={tc.seq_len} with trainer.context_parallel={tc.context_parallel}; valid: a "
+                        f"multiple of {tc.context_parallel} (every rank holds an equal slice of each sequence)")
+    if fine("trainer.seq_len", "model.max_position_embeddings"):
+        if tc.seq_len > m.max_position_embeddings:
+            problems.append(f"trainer.seq_len={tc.seq_len} exceeds model.max_position_embeddings="
+                            f"{m.max_position_embeddings}")
+        elif cfg.data.name == "state_tracking" and (longest := eval_length(tc.seq_len)) > m.max_position_embeddings:
+            factor = longest // tc.seq_len
+            problems.append(f"trainer.seq_len={tc.seq_len}; valid with data=state_tracking (tested at {factor} x "
+                            f"trainer.seq_len = {longest} tokens): <= model.max_position_embeddings / {factor} = "
+                            f"{m.max_position_embeddings // factor}")
+    if fine("data.vocab_size") and cfg.data.get("tokenizer") == "bpe" and cfg.data.vocab_size < 257:
+        problems.append(f"data.vocab_size={cfg.data.vocab_size}; valid: >= 257 with data.tokenizer=bpe "
+                        f"(its 256 byte tokens and EOS)")
+    budgets = fine("trainer.flops_budget", "trainer.tokens_budget", "trainer.max_steps")
+    if budgets and tc.get("flops_budget") is not None and tc.get("tokens_budget") is not None:
+        problems.append(f"trainer.flops_budget={tc.flops_budget:g} and trainer.tokens_budget={tc.tokens_budget:g}; "
+                        f"valid: one of them")
+    if budgets and tc.max_steps is None and given_budget(tc) is None:
+        problems.append("trainer.max_steps=null; valid: a positive integer, or null with trainer.flops_budget or "
+                        "trainer.tokens_budget (which set it)")
     lc = cfg.get("linearize")  # absent from the saved config of a run started before it existed
-    if lc is not None and lc.get("keep_softmax") is not None:
+    stages = ("linearize.transfer_steps", "linearize.distill_steps")
+    if tc.max_steps is not None and fine("trainer.max_steps", "trainer.warmup_steps", "trainer.wsd_decay_fraction",
+                                         *(stages if lc is not None else ())):
+        problems += steps_problems(cfg)  # with a budget, training/run.py checks these once it has set the steps
+    if lc is not None and lc.get("keep_softmax") is not None and fine("model.num_hidden_layers"):
         kinds = OmegaConf.to_container(m, resolve=True).get("mixer") or cfg.mixer.name
-        parse_keep_softmax(OmegaConf.to_container(lc, resolve=True)["keep_softmax"],
-                           kinds if isinstance(kinds, list) else [kinds] * m.num_hidden_layers)
-    if lc is not None and lc.transfer_steps + lc.distill_steps and not cfg.init_from:
-        raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} with "
-                         f"init_from=null; valid: init_from=<the softmax teacher: run dir or HF dir>")
-    if lc is not None and lc.transfer_steps + lc.distill_steps and cfg.objective != "linearize":
-        raise ValueError(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} with "
-                         f"objective={cfg.objective}; valid: objective=linearize (experiment=linearize sets it)")
-    for group in ("mixer", "ffn"):
+        try:
+            parse_keep_softmax(OmegaConf.to_container(lc, resolve=True)["keep_softmax"],
+                               kinds if isinstance(kinds, list) else [kinds] * m.num_hidden_layers)
+        except ValueError as e:
+            problems.append(str(e))
+    if lc is None or not fine(*stages):
+        return problems
+    if lc.transfer_steps + lc.distill_steps and not cfg.init_from:
+        problems.append(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} "
+                        f"with init_from=null; valid: init_from=<the softmax teacher: run dir or HF dir>")
+    if lc.transfer_steps + lc.distill_steps and cfg.objective != "linearize":
+        problems.append(f"linearize.transfer_steps={lc.transfer_steps}, linearize.distill_steps={lc.distill_steps} "
+                        f"with objective={cfg.objective}; valid: objective=linearize (experiment=linearize sets it)")
+    return problems
+
+
+def block_problems(cfg) -> list[str]:
+    """The layers' block names (model.mixer / model.ffn: one, or one per layer) and the chosen blocks' options
+    (mixer.options, ffn.options, each checked by the block's Options, model/options.py option_problems)."""
+    from model.options import option_problems
+    from model.registry import FFNS, MIXERS
+
+    problems, m = [], cfg.model
+    for group, registry in (("mixer", MIXERS), ("ffn", FFNS)):
         given = m.get(group)
         if OmegaConf.is_list(given) and len(given) != m.num_hidden_layers:
-            raise ValueError(f"model.{group} lists {len(given)} layers; valid: one name per layer "
-                             f"(model.num_hidden_layers={m.num_hidden_layers}), one name, or null")
+            problems.append(f"model.{group} lists {len(given)} layers; valid: one name per layer "
+                            f"(model.num_hidden_layers={m.num_hidden_layers}), one name, or null")
+        names = list(given) if OmegaConf.is_list(given) else [given or cfg[group].name]
+        for name in dict.fromkeys(n for n in names if n not in registry.names()):
+            problems.append(f"model.{group}: unknown {group} {name!r}; valid: {', '.join(registry.names())}")
+        options = getattr(registry.get(cfg[group].name), "Options", None) if cfg[group].name in registry.names() else None
+        if options is not None:
+            given_options = OmegaConf.to_container(cfg[group].options, resolve=True)
+            problems += [f"{group}.options: {line}" for line in option_problems(cfg[group].name, options, given_options)]
+    return problems
 
 
 def check_steps(cfg) -> None:
     """The checks that need trainer.max_steps: the warm-up and decay fit in it, so do linearize's stages."""
+    raise_problems(steps_problems(cfg))
+
+
+def steps_problems(cfg) -> list[str]:
     tc, lc = cfg.trainer, cfg.get("linearize")  # linearize is absent from the saved config of a run started before it
-    if tc.warmup_steps > tc.max_steps:
-        raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid: <= trainer.max_steps={tc.max_steps}")
+    problems = []
     decay = int(tc.max_steps * tc.wsd_decay_fraction)
-    if tc.schedule == "wsd" and tc.warmup_steps + decay > tc.max_steps:
-        raise ValueError(f"trainer.warmup_steps={tc.warmup_steps}; valid with schedule=wsd: <= trainer.max_steps - "
-                         f"the {decay} decay steps (wsd_decay_fraction={tc.wsd_decay_fraction}) = {tc.max_steps - decay}")
+    if tc.warmup_steps > tc.max_steps:
+        problems.append(f"trainer.warmup_steps={tc.warmup_steps}; valid: <= trainer.max_steps={tc.max_steps}")
+    elif tc.schedule == "wsd" and tc.warmup_steps + decay > tc.max_steps:
+        problems.append(f"trainer.warmup_steps={tc.warmup_steps}; valid with schedule=wsd: <= trainer.max_steps - "
+                        f"the {decay} decay steps (wsd_decay_fraction={tc.wsd_decay_fraction}) = {tc.max_steps - decay}")
     if lc is not None and lc.transfer_steps + lc.distill_steps > tc.max_steps:
-        raise ValueError(f"linearize.transfer_steps={lc.transfer_steps} + linearize.distill_steps={lc.distill_steps}; "
-                         f"valid: <= trainer.max_steps={tc.max_steps} (the stages are the run's first steps)")
+        problems.append(f"linearize.transfer_steps={lc.transfer_steps} + linearize.distill_steps={lc.distill_steps}; "
+                        f"valid: <= trainer.max_steps={tc.max_steps} (the stages are the run's first steps)")
+    return problems
 
 
 def check_eval_config(cfg) -> None:
     """eval.py's options (EVAL_RULES), the suites it names, and each suite's options node (its Options dataclass)."""
     from evaluation.suites import SUITES
-    from model.options import parse_options
+    from model.options import option_problems
 
     values = OmegaConf.to_container(cfg, resolve=True)
-    check_rules(leaves({k: v for k, v in values.items() if k not in SUITES.names()}), EVAL_RULES)
-    for name in values.get("suite") or []:
-        if name not in SUITES.names():
-            raise ValueError(f"suite={list(values['suite'])}: unknown suite {name!r}; valid: {', '.join(SUITES.names())}")
+    problems = list(rule_problems(leaves({k: v for k, v in values.items() if k not in SUITES.names()}),
+                                  EVAL_RULES).values())
+    problems += [f"suite={list(values['suite'])}: unknown suite {name!r}; valid: {', '.join(SUITES.names())}"
+                 for name in values.get("suite") or [] if name not in SUITES.names()]
     for name in SUITES.names():
-        parse_options(f"{name} suite", SUITES.get(name).Options, values.get(name))
+        problems += option_problems(f"{name} suite", SUITES.get(name).Options, values.get(name))
+    raise_problems(problems)

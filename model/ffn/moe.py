@@ -67,7 +67,7 @@ from transformers import initialization as init
 from model.ffn.dense import SwiGLU
 from model.ffn.routers import ROUTERS, Router, Routing
 from model.layers import ffn_residual_scale
-from model.options import bad_option, option, parse_options
+from model.options import bad_option, option, option_problems, parse_options
 from model.registry import FFNS
 
 LOSSES = ("balance_loss", "z_loss", "sequence_balance_loss", "group_balance_loss")  # logged by add_loss too
@@ -95,6 +95,10 @@ class MoEOptions:
     def options_for_router(self, options_class):
         """The router's own options (an options_class) from router_options; a bad one is a one-line error."""
         return parse_options(f"{self.router} router", options_class, self.router_options)
+
+    def part_problems(self) -> list[str]:
+        """The problems of the router's options (model/options.py option_problems)."""
+        return option_problems(f"{self.router} router", ROUTERS.get(self.router).Options, self.router_options)
 
 
 def with_router_options_nested(given: dict | None) -> dict | None:
