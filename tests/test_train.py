@@ -227,3 +227,68 @@ def test_sigterm_saves_a_checkpoint_and_the_printed_command_resumes_it(tmp_path,
     run_id = (run / "wandb_run_id").read_text().strip()
     folders = sorted((run / "wandb").glob("offline-run-*"))
     assert len(folders) == 2 and all((f / f"run-{run_id}.wandb").exists() for f in folders), folders
+
+
+def halted(proc: subprocess.Popen, seen, timeout: float = 300) -> object:
+    """Polls (every ms) until seen() returns something, then SIGSTOPs the launch's whole process group and asks
+    seen() again: if it still holds, what the stopped processes left is what the SIGKILL that follows interrupts,
+    and that is returned; if the run moved on meanwhile, it continues (SIGCONT) and the polling too. None where
+    the run ended first."""
+    import signal
+    import time
+
+    deadline = time.time() + timeout
+    while proc.poll() is None and time.time() < deadline:
+        if seen():
+            os.killpg(proc.pid, signal.SIGSTOP)
+            if caught := seen():
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return caught
+            os.killpg(proc.pid, signal.SIGCONT)
+        time.sleep(0.001)
+    return None
+
+
+@pytest.mark.slow
+def test_sigkill_at_any_moment_loses_only_the_steps_since_the_last_checkpoint(tmp_path, data_cache):
+    """A run SIGKILLed on one process while writing a checkpoint (its temp folder half-written), resumed with
+    resume=auto on 2 gloo processes and SIGKILLed mid-step past its last checkpoint (a row logged that the next
+    resume logs again), then resumed on one process to the end: each step logged once, every loss the
+    uninterrupted run's."""
+    from conftest import TINY, ddp_launcher, run_train
+
+    short = ["trainer.max_steps=8", "trainer.ckpt_every=2", "trainer.eval_every=4", "trainer.sample_tokens=0"]
+    reference, run = tmp_path / "reference", tmp_path / "run"
+    train_here(reference, *short, cache=data_cache)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SWAPLM_CACHE": str(data_cache)}
+
+    def launch(launcher: list[str], *overrides: str) -> subprocess.Popen:
+        return subprocess.Popen([*launcher, str(ROOT / "train.py"), *TINY, *short, f"run_dir={run}", *overrides],
+                                cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # its own process group: the kill reaches every rank
+
+    def writing() -> list[str]:  # checkpoints being written: a temp folder not yet renamed into place
+        folder = run / "checkpoints"
+        return [p.name for p in folder.glob(".tmp_step_*")] if folder.is_dir() else []
+
+    partial = halted(launch([sys.executable]), writing)
+    assert partial and not (run / "checkpoints" / partial[0].removeprefix(".tmp_")).exists(), partial
+    done = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
+    last = int(done[-1].split("_")[1]) if done else 0
+
+    def past_checkpoint() -> int | None:  # a step logged past the last checkpoint, whose own is not saved
+        steps = [s for s in losses(run) if s > last + 1]
+        return steps[-1] if steps and not (run / "checkpoints" / f"step_{steps[-1]:07d}").exists() else None
+
+    proc = launch(ddp_launcher(), "resume=auto")
+    interrupted = halted(proc, past_checkpoint)
+    assert interrupted is not None and interrupted < 8, interrupted
+    run_train(run, *short, "resume=auto", cache=data_cache)
+
+    logged = [r["step"] for r in read_metrics(run) if "train/loss" in r]
+    assert logged == list(range(1, 9)), logged  # the killed runs' steps past their checkpoints, logged again once
+    want, got = losses(reference), losses(run)
+    for step in want:
+        assert got[step] == pytest.approx(want[step], abs=1e-5), (step, want, got)
+    assert not list(run.glob(".tmp*")) and not list((run / "checkpoints").glob(".tmp*"))

@@ -24,7 +24,7 @@ def train(cfg: DictConfig) -> float:
 
     run = setup(cfg)
     a, tc = run.accelerator, cfg.trainer
-    metrics = MetricsWriter(a, run.run_dir, cfg.logger.name == "wandb")
+    metrics = MetricsWriter(a, run.run_dir, cfg.logger.name == "wandb", run.step)
     meter, stop, log = Meter(), StopFlag(), {}
     contention = ContentionMonitor() if a.device.type == "cpu" and a.is_main_process else None
     if contention and (warning := contention.check()):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from common.files import written_then_renamed
 from evaluation.scoring import perplexity
 
 
@@ -20,12 +21,15 @@ def to_python(value):
 
 
 class MetricsWriter:
-    def __init__(self, accelerator, run_dir: Path, use_tracker: bool):
+    def __init__(self, accelerator, run_dir: Path, use_tracker: bool, step: int = 0):
+        """A run at `step` (resumed from its checkpoint there, or starting at 0) keeps the finished rows of the steps
+        up to it and drops any later ones: a run killed past its last checkpoint (SIGKILL) logged steps that the
+        resumed run logs again."""
         self.accelerator = accelerator
         self.path = Path(run_dir) / "metrics.jsonl"
         self.use_tracker = use_tracker
         if accelerator.is_main_process:
-            drop_unfinished_row(self.path)
+            keep_rows_until(self.path, step)
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.accelerator.is_main_process:
@@ -60,10 +64,17 @@ def finished_rows(text: str) -> str:
     return text[: text.rfind("\n") + 1]
 
 
-def drop_unfinished_row(path: Path) -> None:
-    """A resumed run appends after the rows its killed run finished, not onto a half-written one."""
-    if path.exists() and (text := path.read_text()) != (finished := finished_rows(text)):
-        path.write_text(finished)
+def keep_rows_until(path: Path, step: int) -> None:
+    """The finished rows of steps up to `step` (none at step 0: a run starting there logs afresh), rewritten through
+    a temp file where that drops any: a resumed run appends after them, not onto a half-written row nor after rows
+    of steps it runs again."""
+    if not path.exists():
+        return
+    lines = finished_rows(text := path.read_text()).splitlines(keepends=True)
+    kept = "".join(line for line in lines if step and line.strip() and json.loads(line)["step"] <= step)
+    if kept != text:
+        with written_then_renamed(path) as tmp:
+            tmp.write_text(kept)
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
