@@ -378,6 +378,7 @@ def check_docmask(report):
     (rows,) = tables(report)
     assert [r["mixer"] for r in rows] == MIXERS.names()
     assert_ratio(rows, "masked / plain", lambda r: r["tokens/s masked"], lambda r: r["tokens/s plain"])
+    assert_ratio(rows, "padded / masked", lambda r: r["tokens/s padded"], lambda r: r["tokens/s masked"])
 
 
 def check_dsa(report):
