@@ -66,9 +66,9 @@ def test_every_block_pair_builds_and_trains_one_step(mixer, ffn, monkeypatch):
 
 @pytest.mark.parametrize("group", ["mixer", "ffn"])
 def test_yaml_options_are_fields_that_differ_from_the_defaults(group):
-    """configs/<group>/<name>.yaml per registered block: a block with an Options dataclass loads it as
-    the schema of `options`, and the YAML's own option values (if any) are fields of it that differ
-    from its defaults (a default lives in the dataclass only); a block without one has no options.
+    """configs/<group>/<name>.yaml per registered block loads its schema as `options`: a block with an Options
+    dataclass that dataclass, and the YAML's own option values (if any) are fields of it that differ from its
+    defaults (a default lives in the dataclass only); a block without one an empty node, and no options.
     The composed options are the defaults with the YAML's values over them."""
     from model import FFNS, MIXERS
 
@@ -80,11 +80,11 @@ def test_yaml_options_are_fields_that_differ_from_the_defaults(group):
         given = raw.get("options") or {}
         options_class = getattr(registry.get(name), "Options", None)
         composed = OmegaConf.to_container(compose_train(f"{group}={name}")[group].options)
+        assert f"/{group}_options/{name}@options" in raw["defaults"], name  # its schema, empty without options
         if options_class is None:
-            assert given == {} and composed == {} and "defaults" not in raw, name
+            assert given == {} and composed == {}, name
             continue
         with_options += 1
-        assert f"/{group}_options/{name}@options" in raw["defaults"], name
         defaults = dataclasses.asdict(options_class())
         for key, value in given.items():
             assert key in defaults, f"configs/{group}/{name}.yaml: {key} is not a field of {options_class.__name__}"

@@ -61,7 +61,22 @@ def test_a_half_written_metrics_row_is_not_read_and_a_resumed_writer_drops_it(tm
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "train/loss": 5.0}\n{"step": 2, "train/lo')
     assert read_metrics(tmp_path) == [{"step": 1, "train/loss": 5.0}]
-    writer = MetricsWriter(SimpleNamespace(is_main_process=True), tmp_path, use_tracker=False)
+    writer = MetricsWriter(SimpleNamespace(is_main_process=True), tmp_path, use_tracker=False, step=1)
     writer.log({"train/loss": 4.0}, step=2)
     assert path.read_text() == '{"step": 1, "train/loss": 5.0}\n{"step": 2, "train/loss": 4.0}\n'
     assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+
+
+def test_a_resumed_writer_keeps_the_rows_up_to_its_step(tmp_path):
+    """A run killed past its last checkpoint (SIGKILL) logged steps that its resumed run logs again: the
+    resumed writer keeps the rows up to the checkpoint's step; a run starting at step 0 logs afresh."""
+    from types import SimpleNamespace
+
+    from training.metrics import MetricsWriter, read_metrics
+
+    rows = "".join(f'{{"step": {s}, "train/loss": {s}.0}}\n' for s in (0, 1, 2, 3, 4))
+    (tmp_path / "metrics.jsonl").write_text(rows)
+    MetricsWriter(SimpleNamespace(is_main_process=True), tmp_path, use_tracker=False, step=2)
+    assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+    MetricsWriter(SimpleNamespace(is_main_process=True), tmp_path, use_tracker=False, step=0)
+    assert read_metrics(tmp_path) == [] and not list(tmp_path.glob("*.tmp*"))

@@ -14,7 +14,8 @@ from conftest import ROOT
 from evaluation.suites import SUITES
 from training.config import config_for_resume, group_choices
 from training.jobs import compose
-from training.validation import EVAL_RULES, TRAIN_RULES, check_eval_config, check_train_config, leaves, rule_for
+from training.validation import (EVAL_RULES, TRAIN_RULES, check_eval_config, check_train_config, leaves, rule_for,
+                                 train_config_problems)
 
 
 @functools.cache
@@ -257,3 +258,13 @@ def test_resume_refuses_what_changes_the_run(tmp_path, override, key):
         resume_with(tmp_path, override)
     message = str(e.value)
     assert message.startswith(f"resume: {key} was ") and str(tmp_path / "config.yaml") in message and "\n" not in message
+
+
+def test_a_misspelt_block_option_is_named_with_the_rest():
+    """mixer.options / ffn.options are not in Hydra's struct mode: an option the block does not have reaches the
+    validation and is named beside every other problem (a block without options takes none)."""
+    problems = train_config_problems(composed("mixer=gdn", "mixer.options.nope=1", "trainer.lr=-1"))
+    assert problems[:2] == ["trainer.lr=-1; valid: a number >= 0", "mixer.options: unknown gdn option(s) ['nope']; "
+                            "valid: num_heads, head_dim, expand_v, conv_size, chunk_size, allow_neg_eigval, conv_init, num_v_heads"]
+    assert train_config_problems(composed("mixer.options.chunk_size=8")) == [
+        "mixer.options: softmax takes no options; given ['chunk_size']"]

@@ -36,11 +36,12 @@ def rank_zero_dir(path: str | None, fallback: str | None = None) -> str:
 
 
 def register_hydra() -> None:
-    """The rank_zero_dir resolver, and each block's Options dataclass as the Hydra schema its YAML loads
-    as `options` (ConfigStore groups mixer_options/<name>, ffn_options/<name>): a YAML lists only what
-    differs from the defaults, and mixer.options.<name>=<value> overrides any option. A dict option (the
-    MoE's router_options) takes any key on the command line, ffn.options.router_options.<name>=<value>
-    without a `+`: the part it configures (the router) checks its keys and values when the model is built."""
+    """The rank_zero_dir resolver, and each block's Options dataclass (an empty node for a block without) as the
+    Hydra schema its YAML loads as `options` (ConfigStore groups mixer_options/<name>, ffn_options/<name>): a YAML lists only what
+    differs from the defaults, and mixer.options.<name>=<value> overrides any option. The node is not in
+    struct mode, so that a misspelt option (and any key of a dict option, the MoE's router_options, given as
+    ffn.options.router_options.<name>=<value> without a `+`) reaches the validation, which names it beside
+    every other problem (training/validation.py block_problems; the router checks its own)."""
     from hydra.core.config_store import ConfigStore
 
     from model import FFNS, MIXERS
@@ -51,12 +52,8 @@ def register_hydra() -> None:
     for group, registry in (("mixer_options", MIXERS), ("ffn_options", FFNS)):
         for name in registry.names():
             options = getattr(registry.get(name), "Options", None)
-            if options is None:
-                continue
-            node = OmegaConf.structured(options)
-            for field in dataclasses.fields(options):
-                if field.type is dict:
-                    OmegaConf.set_struct(node[field.name], False)
+            node = OmegaConf.create({}) if options is None else OmegaConf.structured(options)
+            OmegaConf.set_struct(node, False)  # an unknown option reaches validation (one line among the others)
             store.store(group=group, name=name, node=node)
 
 

@@ -275,9 +275,13 @@ def block_problems(cfg) -> list[str]:
         names = list(given) if OmegaConf.is_list(given) else [given or cfg[group].name]
         for name in dict.fromkeys(n for n in names if n not in registry.names()):
             problems.append(f"model.{group}: unknown {group} {name!r}; valid: {', '.join(registry.names())}")
-        options = getattr(registry.get(cfg[group].name), "Options", None) if cfg[group].name in registry.names() else None
-        if options is not None:
-            given_options = OmegaConf.to_container(cfg[group].options, resolve=True)
+        if cfg[group].name not in registry.names():
+            continue
+        options = getattr(registry.get(cfg[group].name), "Options", None)
+        given_options = OmegaConf.to_container(cfg[group].options, resolve=True)
+        if options is None and given_options:
+            problems.append(f"{group}.options: {cfg[group].name} takes no options; given {sorted(given_options)}")
+        elif options is not None:
             problems += [f"{group}.options: {line}" for line in option_problems(cfg[group].name, options, given_options)]
     return problems
 
