@@ -11,6 +11,9 @@ with q, k after rotary, each scaled by d^-1/4. Option clamp_ktil (default true) 
 recursion exactly (large early keys then blow the state up, see tests/test_gated_delta.py).
 Decoding keeps A [B, H, d, d], the running key and value sums and t in the cache: constant memory.
 Init: SoftmaxAttention's (Llama's), the same parameters.
+
+Padding: the op skips the pads (their own segments in cu_seqlens): its 1/t gates and running means count
+tokens, so a pad must not be one. A prefill's cache keeps each row's last segment's state, t per row.
 """
 from dataclasses import dataclass
 

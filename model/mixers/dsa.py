@@ -19,6 +19,9 @@ mass (head-averaged) that the selected keys hold. Cached decoding reports nothin
 Init as DeepSeek-V3.2 (transformers' DeepseekV32PreTrainedModel): the main projections as
 SoftmaxAttention (Llama), the indexer's q_proj, k_proj and w_proj N(0, initializer_range), its k_norm
 to identity (weight 1, bias 0).
+
+Padding: as softmax, pad keys masked (the indexer's candidates and the attention's, by segment ids), a decode
+cache keeping each row's start; the indexer loss and recall average over real queries only.
 """
 from dataclasses import dataclass
 

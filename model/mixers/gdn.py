@@ -22,6 +22,10 @@ before: on the default corpus it leaves gdn well behind Qwen3-Next's GDN layers 
 is no better (docs/studies/gdn_language.md). One difference on purpose, in every DeltaRuleBlock: o_proj gets
 std * 1/sqrt(2 L), shared by every block (model/layers.py residual_scale; fla's prenorm_residual_strategy="rescale"
 does the same with a kaiming base).
+
+Padding, in every DeltaRuleBlock (gdn, deltanet, kda): the delta rule skips the pads (their own segments in
+cu_seqlens) and the short convs drop their taps, as for packed documents; a prefill's cache keeps each row's last
+segment's state and conv inputs.
 """
 from dataclasses import dataclass
 

@@ -9,6 +9,9 @@ softmax checkpoint loads unchanged; phi is applied after rotary, to the q, k tha
 trained to produce (as in the Hedgehog / LoLCATs conversions of RoPE models). With GQA, k and v are
 repeated to the query heads. Decoding keeps S [B, H, d, d] (and the key sum) in the cache.
 Init: SoftmaxAttention's (Llama's), the same parameters.
+
+Padding: the op skips the pads (their own segments in cu_seqlens); zeroed inputs would not do, since phi = elu + 1
+is 1 at 0 and would add each pad to the key sum. A prefill's cache keeps each row's last segment's state.
 """
 from dataclasses import dataclass
 

@@ -30,6 +30,10 @@ transition a_t = exp(dt_t A) in (0, 1) becomes 2 exp(dt_t A) - 1 in (-1, 1), neg
 dt_t |A| > log 2, so that a head can flip its state's sign (parity). Parameters and init are unchanged.
 The chunked scan carries the sign apart from log|a_t| (model/ops/ssd.py), so on CUDA it still runs in
 fla's chunk_simple_gla, as with the option off; decoding steps the same signed recurrence.
+
+Padding: the scan skips the pads (their own segments in cu_seqlens) and the conv drops their taps; zeroed
+inputs would not do (the conv's bias would write into the state). A prefill's cache keeps each row's last
+segment's state and conv inputs.
 """
 from dataclasses import dataclass
 

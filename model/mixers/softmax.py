@@ -10,7 +10,12 @@ Llama's own (model/config.py).
 
 With DocumentSegments (document masking) rotary runs at the segments' position_ids and a query
 attends only to its own segment (SDPA with the block-causal mask on CPU, FlexAttention with its
-BlockMask on CUDA)."""
+BlockMask on CUDA).
+
+Padding (a padded batch's pads are segments of their own, DocumentSegments.padded): masking the pad keys is
+all it takes, the segments' mask in a forward and a prefill; a decode cache keeps each row's start (last_start)
+and its later calls mask the keys before it and count rotary from it.
+"""
 from functools import cache
 
 import torch
