@@ -43,8 +43,8 @@ def main() -> None:
     # References without training (lr 0): the softmax model at the long context, and DSA with an
     # untrained indexer (its recall is what the warm-up starts from).
     frozen = ["trainer.max_steps=1", "trainer.lr=0", "trainer.warmup_steps=0"]
-    ref = train("softmax_long_context", "experiment=dsa_warmup", "mixer=softmax", "trainer.trainable=null",
-                f"init_from={softmax}", *frozen)
+    ref = train("softmax_long_context", "experiment=dsa_warmup", "mixer=softmax", "~mixer.options.stage",  # DSA's
+                "trainer.trainable=null", f"init_from={softmax}", *frozen)  # option, which softmax does not take
     untrained = train("dsa_untrained_indexer", "experiment=dsa_warmup", f"init_from={softmax}", *frozen)
     warm = train("1_warmup", "experiment=dsa_warmup", f"init_from={softmax}")
     sparse = train("2_sparse", "experiment=dsa_sparse", f"init_from={warm}")
