@@ -252,10 +252,10 @@ def halted(proc: subprocess.Popen, seen, timeout: float = 300) -> object:
 
 @pytest.mark.slow
 def test_sigkill_at_any_moment_loses_only_the_steps_since_the_last_checkpoint(tmp_path, data_cache):
-    """A run SIGKILLed on one process while writing a checkpoint (its temp folder half-written), resumed with
-    resume=auto on 2 gloo processes and SIGKILLed mid-step past its last checkpoint (a row logged that the next
-    resume logs again), then resumed on one process to the end: each step logged once, every loss the
-    uninterrupted run's."""
+    """A run SIGKILLed on one process before its first step, started again with resume=auto (no checkpoint: from
+    step 0) and SIGKILLed while writing a checkpoint (its temp folder half-written), resumed on 2 gloo processes
+    and SIGKILLed mid-step past its last checkpoint (a row logged that the next resume logs again), then resumed on
+    one process to the end: each step logged once, every loss the uninterrupted run's."""
     from conftest import TINY, ddp_launcher, run_train
 
     short = ["trainer.max_steps=8", "trainer.ckpt_every=2", "trainer.eval_every=4", "trainer.sample_tokens=0"]
@@ -272,7 +272,11 @@ def test_sigkill_at_any_moment_loses_only_the_steps_since_the_last_checkpoint(tm
         folder = run / "checkpoints"
         return [p.name for p in folder.glob(".tmp_step_*")] if folder.is_dir() else []
 
-    partial = halted(launch([sys.executable]), writing)
+    def set_up() -> bool:  # the run dir written (set up done), no step logged yet
+        return (run / "config.yaml").exists() and not losses(run)
+
+    assert halted(launch([sys.executable]), set_up)
+    partial = halted(launch([sys.executable], "resume=auto"), writing)
     assert partial and not (run / "checkpoints" / partial[0].removeprefix(".tmp_")).exists(), partial
     done = sorted(p.name for p in (run / "checkpoints").glob("step_*"))
     last = int(done[-1].split("_")[1]) if done else 0
