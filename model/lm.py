@@ -206,13 +206,9 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
                 labelled = (targets != -100).sum()
                 targets = targets[:, segments.start:segments.end].flatten()
                 lm_loss = context.total(F.cross_entropy(flat, targets, ignore_index=-100, reduction="sum")) / labelled
-            token_loss = lambda: F.cross_entropy(flat.detach(), targets, ignore_index=-100, reduction="none")  # noqa: E731
-            eval_loss = lambda: self.eval_token_loss(input_ids, segments, targets)  # noqa: E731
-            if padded:  # the tokens the MoE layers routed: the real ones
-                keep = real.flatten()
-                aux.give_token_loss(lambda: token_loss()[keep], (targets != -100)[keep], lambda: eval_loss()[keep])
-            else:
-                aux.give_token_loss(token_loss, targets != -100, eval_loss)
+            keep = real.flatten() if padded else slice(None)  # the tokens the MoE layers routed: the real ones
+            aux.give_token_loss(lambda: F.cross_entropy(flat.detach(), targets, ignore_index=-100, reduction="none")[keep],
+                                (targets != -100)[keep], lambda: self.eval_token_loss(input_ids, segments, targets)[keep])
             aux_loss = aux.total_loss()
             loss = lm_loss if aux_loss is None else lm_loss + aux_loss
         return LMOutput(

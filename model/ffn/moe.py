@@ -335,8 +335,10 @@ def sequence_balance_loss(routing: Routing, token_rows: torch.Tensor, rows: int,
         (token_rows[routing.token], routing.expert), routing.probs.new_ones(()), accumulate=True)
     prob_sums = routing.probs.new_zeros(rows, E).index_add(0, token_rows, routing.probs)
     tokens = torch.bincount(token_rows, minlength=rows).to(prob_sums.dtype)
-    if aux is not None:
-        counts, prob_sums, tokens = (aux.over_sequence(t) for t in (counts, prob_sums, tokens))
+    if aux is not None:  # one reduction of the three
+        counts, prob_sums, tokens = aux.over_sequence(torch.cat([counts, prob_sums, tokens[:, None]], 1)).split(
+            [E, E, 1], 1)
+        tokens = tokens[:, 0]
     frac = counts / counts.sum(-1, keepdim=True).clamp_min(1)
     return E * (frac * prob_sums / tokens[:, None]).sum(-1).mean()
 
