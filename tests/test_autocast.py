@@ -15,7 +15,8 @@ import model.mixers.dsa as dsa_mixer
 import model.mixers.gdn as gdn_mixer
 import model.mixers.linear as linear_mixer
 import model.mixers.mamba2 as mamba2_mixer
-import model.ops.gated_delta as gated_delta
+import model.ops.gated_delta.chunk as gated_delta
+import model.ops.gated_delta.derived as derived_rule
 import model.ops.linear_attention as linear_attention
 import model.ops.ssd as ssd
 from model import DecoderLM, LMConfig
@@ -114,7 +115,7 @@ def test_derived_gdn(monkeypatch):
     """The PyTorch gated delta rule runs in fp32 with autocast off (under autocast its triangular solve got
     bf16, which has no kernel); the rule itself gets q, k, v in bf16, as the fla kernel would."""
     op = Spy(monkeypatch, derived_gdn_mixer, "derived_gated_delta_rule")
-    rule = Spy(monkeypatch, gated_delta, "chunk_gated_delta_rule")
+    rule = Spy(monkeypatch, derived_rule, "chunk_gated_delta_rule")
     core = Spy(monkeypatch, gated_delta._ChunkedGatedDelta, "apply", ("q", "k", "v", "g", "beta", "S0"))
     train_step_bf16(model := build("derived_gdn"))
     op.expect({"q": BF16, "k": BF16, "v": BF16}, out=BF16, given=("cu_seqlens",))

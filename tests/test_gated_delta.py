@@ -1,9 +1,9 @@
-"""model/ops/gated_delta.py against per-token recurrences written straight from the formulas (float64)."""
+"""model/ops/gated_delta (chunked, recurrent, derived) against per-token recurrences written straight from the formulas (float64)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-import model.ops.gated_delta as gated_delta
+import model.ops.gated_delta.chunk as gated_delta
 from conftest import assert_bf16_rounding_of
 from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
                                    naive_derived_gated_delta, naive_gated_delta)

@@ -101,7 +101,7 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
     import model.mixers.gdn as gdn_mixer
     import model.mixers.linear as linear_mixer
     import model.mixers.mamba2 as mamba2_mixer
-    import model.ops.gated_delta as gated_delta
+    import model.ops.gated_delta.derived as gated_delta
 
     seen = {}
 

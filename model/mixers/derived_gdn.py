@@ -21,7 +21,7 @@ import torch
 
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_flops, chunk_size_on, derived_gated_delta_rule
-from model.ops.gated_delta_cp import derived_gated_delta_rule_cp
+from model.ops.gated_delta.context_parallel import derived_gated_delta_rule_cp
 from model.ops.kernels import repeat_heads
 from model.options import option
 from model.registry import MIXERS
@@ -38,7 +38,7 @@ class DerivedGDNOptions:
 class DerivedGDN(SoftmaxAttention):
     Options = DerivedGDNOptions
     context_exchange = ("the running key and value sums and the state map of each slice (H (2 K + K K + K V) per row: "
-                        "model/ops/gated_delta_cp.py)")
+                        "model/ops/gated_delta/context_parallel.py)")
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)

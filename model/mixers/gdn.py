@@ -39,7 +39,7 @@ from model.layers import (GatedRMSNorm, ShortConv, at_least_fp32, init_A_log_, i
                           residual_scale)
 from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule, chunk_size_on,
                                    fused_recurrent_gated_delta_rule)
-from model.ops.gated_delta_cp import gated_delta_rule_cp
+from model.ops.gated_delta.context_parallel import gated_delta_rule_cp
 from model.ops.kernels import repeat_heads
 from model.options import bad_option, option
 from model.registry import MIXERS
@@ -73,7 +73,7 @@ class DeltaRuleBlock(nn.Module):
 
     parametrization = "fla"  # as fla's models of these layers (model/config.py; docs/blocks.md#parametrization)
     output_projection = "o_proj"  # y = o_proj(the normed core) (docs/extending.md)
-    # under context parallelism (model/ops/gated_delta_cp.py): each slice's state map, the short convs' halos
+    # under context parallelism (model/ops/gated_delta/context_parallel.py): each slice's state map, the short convs' halos
     context_exchange = "the state map of each slice (H (K K + K V) per row) and the short convs' halos"
 
     def __init__(self, config, layer_idx: int, name: str, opts: DeltaRuleOptions, num_v_heads: int | None = None):

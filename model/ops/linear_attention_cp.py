@@ -11,7 +11,7 @@ H K (V + 1) numbers per row.
 """
 import torch
 
-from model.ops.gated_delta_cp import head_tokens
+from model.ops.gated_delta.context_parallel import head_tokens
 from model.ops.kernels import accumulation_dtype, own_precision
 from model.ops.linear_attention import chunk_linear_attn
 from model.ops.varlen import sequence_cumsum

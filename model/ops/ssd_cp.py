@@ -10,7 +10,7 @@ y_t += (prod_{s <= t} a_s) h_in C_t. Only (a, B) travels: H (1 + P N) numbers pe
 """
 import torch
 
-from model.ops.gated_delta_cp import head_tokens
+from model.ops.gated_delta.context_parallel import head_tokens
 from model.ops.kernels import own_precision, repeat_heads
 from model.ops.ssd import _discretise, _log_transition, mamba_chunk_scan
 

@@ -1,4 +1,4 @@
-"""The delta rule family's context-parallel form (model/ops/gated_delta.py; the exchanges: context_parallel.py).
+"""The delta rule family's context-parallel form (the rule: model/ops/gated_delta; the exchanges: model/ops/context_parallel.py).
 
 Per head the rule is affine in its state: over a run of tokens, h_out = A h_in + B with
 A = prod_t (I - beta_t k_t k_t^T) Diag(alpha_t) [K, K] (the transition) and B [K, V] the state reached from zero;
@@ -21,7 +21,8 @@ nothing here. The same form serves derived GDN's gated delta rule (derived_gated
 import torch
 import torch.nn.functional as F
 
-from model.ops.gated_delta import CHUNK_SIZE, chunk_gated_delta_rule, derived_inputs
+from model.ops.gated_delta.chunk import CHUNK_SIZE, chunk_gated_delta_rule
+from model.ops.gated_delta.derived import derived_inputs
 from model.ops.kernels import accumulation_dtype, own_precision
 from model.ops.varlen import sequence_cumsum
 

@@ -1,27 +1,9 @@
-"""The delta rule family (DeltaNet, Gated DeltaNet, KDA) and the derived-GDN recursion, in PyTorch.
-
-Recurrence per head, state h [K, V]:
-    h_t = Diag(alpha_t) h_{t-1};  u_t = beta_t (v_t - h_t^T k_t);  h_t = h_t + k_t u_t^T;  o_t = h_t^T (scale q_t)
-i.e. S_t = S_{t-1} Diag(alpha_t) (I - beta_t k_t k_t^T) + beta_t v_t k_t^T with S = h^T, alpha_t = exp(g_t), where
-the log decay g is one of (one op, dispatched on g's shape):
-    None          no decay, alpha = 1: DeltaNet (Yang et al. 2024);
-    [B, T, H]     one decay per head: Gated DeltaNet (Yang et al. 2025);
-    [B, T, H, K]  one decay per key channel: KDA (Kimi Linear, Kimi Team 2025).
-Any beta is exact, beta in (0, 2) included (the transition's eigenvalue 1 - beta_t along k_t then reaches
-into (-1, 0): Grazzi et al. 2025's negative eigenvalues).
-
-Layouts follow fla: q, k [B, T, H, K], v [B, T, H, V], beta [B, T, H], state [B, H, K, V].
-All arithmetic is in fp32 (fp64 for fp64 inputs); outputs are cast back to the input dtype, states
-stay in the compute dtype. On CUDA tensors the fla kernels are used when fla imports (CHUNK_KERNELS,
-RECURRENT_KERNELS).
-cu_seqlens (fla's convention, model/ops/varlen.py): q.. of batch 1 hold several sequences, the state
-restarting from zero at each; final states are then [N, H, K, V], one per sequence.
-"""
+"""The delta rule's chunked (WY) form, for training and prefill (the rule and its layouts: model/ops/gated_delta)."""
 import torch
 import torch.nn.functional as F
 
 from model.ops.kernels import accumulation_dtype, kernel_runs, optional_kernel, own_precision
-from model.ops.varlen import ChunkLayout, check_packed, positions_in_sequences, sequence_cumsum
+from model.ops.varlen import ChunkLayout, check_packed
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
@@ -31,9 +13,6 @@ SUB_BLOCK = 8  # a per-channel decay's exact pairs (_decayed_products): sub-bloc
 CHUNK_KERNELS = {"none": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
                  "per_head": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
                  "per_channel": ("fla.ops.kda", "chunk_kda")}
-RECURRENT_KERNELS = {"none": ("fla.ops.delta_rule", "fused_recurrent_delta_rule"),
-                     "per_head": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
-                     "per_channel": ("fla.ops.kda", "fused_recurrent_kda")}
 
 
 def decay_form(k: torch.Tensor, g: torch.Tensor | None) -> str:
@@ -278,115 +257,6 @@ def _differentiable_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
     return x.unflatten(1, (-1, C)).permute(1, 0, 3, 2, *range(4, x.dim() + 1))
 
 
-@own_precision
-def fused_recurrent_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None,
-                                     output_final_state=False, cu_seqlens=None):
-    """The per-token recurrence (for decoding, T small); same arguments and returns as the chunked form."""
-    fla_rec = optional_kernel(*RECURRENT_KERNELS[decay_form(k, g)], q)
-    if fla_rec is not None:
-        # keywords: fla's GDN signature is (q, k, v, g, gk, gv, beta, ...); DeltaNet's has no g
-        return fla_rec(q, k, v, beta=beta, **({} if g is None else {"g": g}), scale=scale, initial_state=initial_state,
-                       output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    if cu_seqlens is not None:
-        check_packed(q, cu_seqlens, initial_state)
-        bounds = cu_seqlens.tolist()
-        parts = [fused_recurrent_gated_delta_rule(*(None if x is None else x[:, a:b] for x in (q, k, v, g, beta)),
-                                                  scale=scale, output_final_state=True)
-                 for a, b in zip(bounds, bounds[1:])]
-        o = torch.cat([o for o, _ in parts], dim=1)
-        return o, (torch.cat([h for _, h in parts]) if output_final_state else None)
-    B, T, H, K = k.shape
-    V = v.shape[-1]
-    dtype, cd = v.dtype, accumulation_dtype(v.dtype)
-    scale = K ** -0.5 if scale is None else scale
-    q, k, v, beta = q.to(cd) * scale, k.to(cd), v.to(cd), beta.to(cd)
-    h = q.new_zeros(B, H, K, V) if initial_state is None else initial_state.to(cd)
-    out = []
-    for t in range(T):
-        if g is not None:
-            h = h * _state_decay(g[:, t].to(cd))
-        u = beta[:, t, :, None] * (v[:, t] - (h * k[:, t, :, :, None]).sum(-2))
-        h = h + k[:, t, :, :, None] * u[:, :, None, :]
-        out.append((h * q[:, t, :, :, None]).sum(-2))
-    return torch.stack(out, dim=1).to(dtype), (h if output_final_state else None)
-
-
-def _state_decay(g_t: torch.Tensor) -> torch.Tensor:
-    """exp(g_t) shaped to scale a state [B, H, K, V]: g_t [B, H] (per head) or [B, H, K] (per key channel)."""
-    return g_t.reshape(*g_t.shape[:2], -1, 1).exp()
-
-
-@own_precision
-def derived_gated_delta_rule(q, k, v, scale=None, initial_state=None, output_final_state=False,
-                             clamp_ktil=False, cu_seqlens=None):
-    """Softmax attention linearized into a gated delta rule with fixed 1/t gates (derived GDN):
-
-        kbar_t = mean(k_1..k_t), vbar_t = mean(v_1..v_t), ktil_t = k_t - kbar_t, vtil_t = v_t - vbar_{t-1}
-        A_t = A_{t-1} ((1 - 1/t) I - (1/t) ktil_t ktil_t^T) + (1/t) vtil_t ktil_t^T,   A_0 = 0, vbar_0 = 0
-        o_t = A_t q_t + vbar_t
-
-    computed as chunk_gated_delta_rule with keys ktil_t, alpha_t = 1 - 1/t, beta_t = 1/(t-1) and written
-    value vtil_t (t-1)/t (at t = 1, ktil_1 = 0 so A_1 = 0: alpha = 1, beta = 0 there).
-    q and k are each multiplied by scale^1/2 (default scale = K^-1/2, the softmax logit scale split
-    symmetrically); scale=1.0 uses them as given.
-
-    Along ktil_t the transition has eigenvalue 1 - (1 + |ktil_t|^2)/t, which amplifies the state when
-    |ktil_t|^2 > 2t - 1. clamp_ktil=True rescales ktil_t (in both its uses) to |ktil_t|^2 <= 2t - 1 so that
-    no step amplifies; False is the recursion above exactly.
-
-    State (initial_state / returned): dict with A [B, H, K, V] (A_t transposed, the gated-delta h),
-    k_sum [B, H, K] and v_sum [B, H, V] (running sums of scaled keys and of values), t (int, tokens seen).
-    Returns (o [B, T, H, V], state or None). With cu_seqlens (batch 1) t, the sums and A restart at
-    each sequence; the state then holds one entry per sequence and t is their lengths [N].
-    The means, ktil and vtil are computed in fp32 (fp64 for fp64 inputs); the gated delta rule then
-    takes q, ktil and the written value in the input dtype, as GDN's kernel call does.
-    """
-    B, T, H, K = k.shape
-    dtype, cd = v.dtype, accumulation_dtype(v.dtype)
-    root = (K ** -0.5 if scale is None else scale) ** 0.5
-    q, k, v = q.to(cd) * root, k.to(cd) * root, v.to(cd)
-    t0 = 0 if initial_state is None else initial_state["t"]  # an int, or per row [B]
-    if cu_seqlens is None:
-        t = torch.arange(1, T + 1, dtype=cd, device=q.device)[None, :, None]  # [1, T, 1]
-        t = t + (t0 if isinstance(t0, int) else t0.to(cd)[:, None, None])
-        k_sum, v_sum = k.cumsum(1), v.cumsum(1)
-    else:
-        check_packed(q, cu_seqlens, initial_state)
-        t = (positions_in_sequences(cu_seqlens) + 1).to(cd)[None, :, None]
-        k_sum, v_sum = sequence_cumsum(k, cu_seqlens), sequence_cumsum(v, cu_seqlens)
-    if initial_state is not None:
-        k_sum = k_sum + initial_state["k_sum"].to(cd)[:, None]
-        v_sum = v_sum + initial_state["v_sum"].to(cd)[:, None]
-    ktil, vbar, written, g, beta = derived_inputs(k, v, k_sum, v_sum, t, clamp_ktil)
-    A0 = None if initial_state is None else initial_state["A"]
-    # the rule's q, k, v in the input dtype (bf16 under autocast: the kernel's), g and beta in fp32
-    o, A = chunk_gated_delta_rule(q.to(dtype), ktil.to(dtype), written.to(dtype), g, beta, scale=1.0,
-                                  initial_state=A0, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
-    o = (o.to(cd) + vbar).to(dtype)
-    if not output_final_state:
-        return o, None
-    if cu_seqlens is not None:
-        last = cu_seqlens[1:] - 1
-        return o, {"A": A, "k_sum": k_sum[0, last], "v_sum": v_sum[0, last], "t": cu_seqlens.diff()}
-    return o, {"A": A, "k_sum": k_sum[:, -1], "v_sum": v_sum[:, -1], "t": t0 + T}
-
-
-def derived_inputs(k, v, k_sum, v_sum, t, clamp_ktil: bool):
-    """The gated delta rule's inputs in derived GDN at each token's t [.., T, 1] (its place in its sequence, from 1),
-    from the scaled keys and values k, v [B, T, H, *] and their running sums to t: (ktil, vbar_t, the written value
-    vtil (t - 1) / t, g = log(1 - 1/t), beta = 1/(t - 1)), with alpha = 1, beta = 0 at t = 1."""
-    B, T, H = k.shape[:3]
-    ktil = k - k_sum / t[..., None]
-    vbar = v_sum / t[..., None]
-    vtil = v - (v_sum - v) / (t - 1).clamp(min=1)[..., None]  # vbar_0 = 0
-    if clamp_ktil:
-        ktil = ktil * (ktil.pow(2).sum(-1) / (2 * t - 1)).clamp(min=1).rsqrt()[..., None]
-    first = t == 1
-    g = torch.where(first, 0.0, torch.log1p(-1 / t)).expand(B, T, H)
-    beta = torch.where(first, 0.0, 1 / (t - 1).clamp(min=1)).expand(B, T, H)
-    return ktil, vbar, vtil * ((t - 1) / t)[..., None], g, beta
-
-
 FLA_CHUNK_SIZE = 64  # the chunk of fla's chunk_gated_delta_rule and chunk_kda (their default; our calls pass none)
 
 
@@ -414,45 +284,3 @@ def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chun
     return chunks * per_chunk / seq_len
 
 
-# ---- naive references: the recurrences token by token, straight from the formulas (the tests' oracles, float64)
-def naive_gated_delta(q, k, v, g, beta, scale=None, h=None):
-    """h = Diag(exp(g_t)) h; u = beta_t (v_t - h^T k_t); h = h + k_t u^T; o_t = h^T (scale q_t).
-    g: None (no decay), [B, T, H] (per head) or [B, T, H, K] (per key channel)."""
-    B, T, H, K = k.shape
-    scale = K ** -0.5 if scale is None else scale
-    h = q.new_zeros(B, H, K, v.shape[-1]) if h is None else h
-    out = []
-    for t in range(T):
-        if g is not None:
-            h = h * g[:, t].reshape(B, H, -1, 1).exp()
-        u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhkv,bhk->bhv", h, k[:, t]))
-        h = h + k[:, t, :, :, None] * u[:, :, None, :]
-        out.append(torch.einsum("bhkv,bhk->bhv", h, scale * q[:, t]))
-    return torch.stack(out, 1), h
-
-
-def naive_derived_gated_delta(q, k, v, scale=None, clamp=False, state=None):
-    """derived_gated_delta_rule's recursion, S_t = A_t in [V, K]:  ktil_t = k_t - kbar_t, vtil_t = v_t - vbar_{t-1},
-    A_t = A_{t-1} ((1 - 1/t) I - (1/t) ktil ktil^T) + (1/t) vtil ktil^T, o_t = A_t q_t + vbar_t;
-    q, k times scale^1/2 (default d^-1/4 each). clamp: ktil scaled to |ktil|^2 <= 2t - 1.
-    state / returned: (A, k_sum, v_sum, t)."""
-    B, T, H, K = k.shape
-    s = (K ** -0.5 if scale is None else scale) ** 0.5
-    q, k = q * s, k * s
-    if state is None:
-        state = (q.new_zeros(B, H, v.shape[-1], K), q.new_zeros(B, H, K), q.new_zeros(B, H, v.shape[-1]), 0)
-    A, k_sum, v_sum, t0 = state
-    eye = torch.eye(K, dtype=q.dtype)
-    out = []
-    for i in range(T):
-        t = t0 + i + 1
-        k_sum = k_sum + k[:, i]
-        ktil = k[:, i] - k_sum / t
-        if clamp:
-            ktil = ktil / torch.maximum(torch.ones(()), ktil.pow(2).sum(-1, keepdim=True) / (2 * t - 1)).sqrt()
-        vtil = v[:, i] - (v_sum / (t - 1) if t > 1 else 0)
-        v_sum = v_sum + v[:, i]
-        A = A @ ((1 - 1 / t) * eye - ktil[..., :, None] * ktil[..., None, :] / t) \
-            + vtil[..., :, None] * ktil[..., None, :] / t
-        out.append((A @ q[:, i, ..., None])[..., 0] + v_sum / t)
-    return torch.stack(out, 1), (A, k_sum, v_sum, t0 + T)
