@@ -175,6 +175,7 @@ class DocumentSegments:
         first_start = torch.where(self.starts, torch.arange(L, device=t.device), L).min(1).values
         self.head = torch.where(self.starts[:, 0], 0, first_start)
         self._conv_crossings: dict[int, tuple] = {}
+        self._repeated: dict[int, DocumentSegments] = {}
 
     @cached_property
     def segment_ids(self) -> torch.Tensor:
@@ -219,6 +220,18 @@ class DocumentSegments:
     def flatten(self, x: torch.Tensor) -> torch.Tensor:
         """[B, T, ...] -> [1, B T, ...], the layout cu_seqlens indexes."""
         return x.reshape(1, -1, *x.shape[2:])
+
+    def repeated(self, steps: int) -> "DocumentSegments":
+        """The segments of the rows with each token repeated `steps` times in place (t0, t0, .., t1, t1, ..): a
+        sequence of several state updates per token (DeltaProduct's Householder steps) cut where this one is,
+        each rank's slice `steps` times as long. Built once per forward and steps, shared by the layers."""
+        if steps not in self._repeated:
+            T = self.length
+            within = torch.arange(T, device=self.document_start.device) - self.document_start  # whole rows'
+            positions = (within[..., None] * steps + torch.arange(steps, device=within.device)).flatten(1)
+            real = None if self.real is None else self.real.repeat_interleave(steps, 1)
+            self._repeated[steps] = DocumentSegments(positions, self.context, real)
+        return self._repeated[steps]
 
 
 def continued_positions(cache: dict | None, segments: DocumentSegments | None, T: int, device) -> torch.Tensor | None:

@@ -13,6 +13,7 @@ from omegaconf import OmegaConf
 from conftest import reinitialised_over_nan
 from data.mqar import mqar_slice
 from model import DecoderLM, LMConfig
+from model.mixers.gdn import DeltaRuleBlock
 from model.registry import MIXERS
 from model.config import PARAMETRIZATIONS
 from model.ffn.routers import ROUTERS
@@ -70,9 +71,10 @@ def assert_dt_and_decay(mixer, low: float, high: float) -> None:
     assert A.min() >= low and A.max() <= high and A.std() > 0
 
 
-def test_gdn_inits_as_fla():
-    mixer = build("gdn").layers[1].mixer
-    for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.g_proj):
+@pytest.mark.parametrize("name", ["gdn", "deltaproduct"])  # fla's GatedDeltaProductPreTrainedModel inits as GDN's
+def test_gdn_inits_as_fla(name):
+    mixer = build(name).layers[1].mixer
+    for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.g_proj, mixer.a_proj, mixer.b_proj):
         assert_normal(proj.weight, STD)
     for conv in (mixer.q_conv, mixer.k_conv, mixer.v_conv):  # fla's _init_weights draws its nn.Conv1d with the projections
         assert_normal(conv.conv.weight, STD)
@@ -81,7 +83,17 @@ def test_gdn_inits_as_fla():
     assert torch.equal(mixer.o_norm.weight, torch.ones_like(mixer.o_norm.weight))
 
 
-@pytest.mark.parametrize("mixer", ["gdn", "deltanet", "kda"])
+def test_gdn2_inits_as_fla_layer_and_kda():
+    mixer = build("gdn2").layers[1].mixer
+    for proj in (mixer.q_proj, mixer.k_proj, mixer.v_proj, mixer.b_proj, mixer.w_proj, *mixer.f_proj, *mixer.g_proj):
+        assert_normal(proj.weight, STD)
+    assert_normal(mixer.o_proj.weight, STD * RESIDUAL)
+    assert_dt_and_decay(mixer, 1.0, 16.0)
+    assert mixer.A_log.shape == (mixer.num_heads,) and mixer.dt_bias.shape == (mixer.key_dim,)
+    assert (mixer.g_proj[1].bias == 0).all() and torch.equal(mixer.o_norm.weight, torch.ones_like(mixer.o_norm.weight))
+
+
+@pytest.mark.parametrize("mixer", [name for name in MIXERS.names() if issubclass(MIXERS.get(name), DeltaRuleBlock)])
 def test_delta_rule_conv_init_uniform_is_conv1ds_default(mixer):
     """conv_init=uniform: the short-conv kernels at nn.Conv1d's U(+-1/sqrt(conv_size)) (zoology's), the rest as the
     default draws them."""

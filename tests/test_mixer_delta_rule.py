@@ -1,36 +1,48 @@
-"""The delta-rule mixers beside gdn (deltanet, kda) and allow_neg_eigval on all three, inside a tiny DecoderLM:
-decoding with the cache reproduces the full forward, with and without negative eigenvalues; the op receives
-the decay each mixer declares (none, per head, per key channel) and beta in (0, 2) with the option on; KDA's
-gates and init follow fla's."""
+"""The delta-rule mixers (every registered DeltaRuleBlock: deltanet, gdn, kda, gdn2, deltaproduct) and
+allow_neg_eigval on each, inside a tiny DecoderLM: decoding with the cache reproduces the full forward, with and
+without negative eigenvalues; the op receives the decay each mixer declares (none, per head, per key channel) and
+beta (GDN-2: its erase gate) in (0, 2) with the option on; KDA's, GDN-2's and DeltaProduct's gates and init follow
+their references."""
 import pytest
 import torch
 import torch.nn.functional as F
 from test_mixer_gdn import decode_steps, randomise, tiny_model
 
+import model.mixers.deltaproduct as deltaproduct_mixer
 import model.mixers.gdn as gdn_mixer
+from model.mixers.gdn import DeltaRuleBlock
+from model.registry import MIXERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes
 
-DECAY_DIMS = {"deltanet": None, "gdn": 3, "kda": 4}  # g handed to the op: None, [B, T, H], [B, T, H, K]
+FAMILY = [name for name in MIXERS.names() if issubclass(MIXERS.get(name), DeltaRuleBlock)]
+# g handed to the op: None, [B, T, H], [B, T, H, K]
+DECAY_DIMS = {"deltanet": None, "gdn": 3, "kda": 4, "gdn2": 4, "deltaproduct": 3}
+
+
+def test_every_delta_rule_mixer_declares_its_decay():
+    assert sorted(DECAY_DIMS) == FAMILY
 
 
 @pytest.fixture
 def op_calls(monkeypatch):
     """(g's dim or None, max beta) of every chunked and recurrent call the mixers make."""
     calls = []
-    for name in ("chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"):
-        op = getattr(gdn_mixer, name)
+    for module, name in ((gdn_mixer, "chunk_gated_delta_rule"), (gdn_mixer, "fused_recurrent_gated_delta_rule"),
+                         (deltaproduct_mixer, "chunk_gated_delta_product"),
+                         (deltaproduct_mixer, "fused_recurrent_gated_delta_product")):
+        op = getattr(module, name)
 
         def spy(q, k, v, g, beta, *args, op=op, **kwargs):
             calls.append((None if g is None else g.dim(), beta.max().item()))
             return op(q, k, v, g, beta, *args, **kwargs)
-        monkeypatch.setattr(gdn_mixer, name, spy)
+        monkeypatch.setattr(module, name, spy)
     return calls
 
 
 @pytest.mark.parametrize("neg", [False, True], ids=["beta01", "neg_eigval"])
 @pytest.mark.parametrize("prefill", [0, 11])
-@pytest.mark.parametrize("mixer", ["deltanet", "kda", "gdn"])
+@pytest.mark.parametrize("mixer", FAMILY)
 def test_decoding_matches_full_forward(mixer, prefill, neg, op_calls):
     model = tiny_model(mixer, **{mixer: {"chunk_size": 8, "allow_neg_eigval": neg}})
     randomise(model)
@@ -47,7 +59,7 @@ def test_decoding_matches_full_forward(mixer, prefill, neg, op_calls):
     assert (1.2 < max(betas) <= 2) if neg else (max(betas) <= 1)
 
 
-@pytest.mark.parametrize("mixer", ["deltanet", "kda", "gdn"])
+@pytest.mark.parametrize("mixer", FAMILY)
 def test_neg_eigval_changes_the_model(mixer):
     """Same weights, the option on and off: different logits (beta doubled), so the option reaches the op."""
     ids = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(2))
@@ -91,3 +103,34 @@ def test_per_channel_decay_costs_more_flops():
     assert kda.flops_per_token(1024, "cpu") == kda.flops_per_token(8192, "cpu") > 0
     core = [m.flops_per_token(1024, "cpu") - m.flops_per_token(1, "cpu") for m in (kda, gdn)]  # the chunked terms alone
     assert core[0] > core[1]
+
+
+def test_gdn2_gates_and_decay_per_qk_head():
+    """GDN-2 (fla's GatedDeltaNet2): erase b = sigmoid(W_b x) per q/k head and key channel (doubled with
+    allow_neg_eigval), write w = sigmoid(W_w x) per value channel (never doubled), the decay per q/k head and key
+    channel; all repeated to the value heads (num_v_heads = 4 over 2 q/k heads)."""
+    for neg in (False, True):
+        mixer = tiny_model("gdn2", gdn2={"num_v_heads": 4, "allow_neg_eigval": neg}).layers[0].mixer
+        x = torch.randn(2, 5, 64)
+        erase, write = mixer.gates(x)
+        H, Hv, K, V = mixer.num_heads, mixer.num_v_heads, mixer.head_dim, mixer.head_v_dim
+        b = torch.sigmoid(mixer.b_proj(x)).view(2, 5, H, K).repeat_interleave(Hv // H, 2) * (2 if neg else 1)
+        torch.testing.assert_close(erase, b)
+        torch.testing.assert_close(write, torch.sigmoid(mixer.w_proj(x)).view(2, 5, Hv, V))
+        g = mixer.decay(x)
+        f = mixer.f_proj(x).view(2, 5, H, K) + mixer.dt_bias.view(H, K)
+        want = (-mixer.A_log.exp()[:, None] * F.softplus(f)).repeat_interleave(Hv // H, 2)
+        torch.testing.assert_close(g, want)
+
+
+def test_deltaproduct_steps_per_token():
+    """num_householder = n: W_k, W_v, W_b and the k, v convs n times as wide; the op gets k, v, beta of T n steps,
+    a token's n consecutive, and n = 1 is Gated DeltaNet itself (same weights, same logits)."""
+    mixer = tiny_model("deltaproduct", deltaproduct={"num_householder": 3}).layers[0].mixer
+    assert (mixer.k_proj.out_features, mixer.v_proj.out_features, mixer.b_proj.out_features) == (
+        3 * mixer.key_dim, 3 * mixer.value_dim, 3 * mixer.num_v_heads)
+    ids = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(2))
+    one, gdn = tiny_model("deltaproduct", deltaproduct={"num_householder": 1}), tiny_model("gdn")
+    gdn.load_state_dict(one.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(one(ids).logits, gdn(ids).logits, rtol=0, atol=1e-5)

@@ -1,5 +1,5 @@
 """Gated DeltaNet (the flash-linear-attention GatedDeltaNet layer), and DeltaRuleBlock, the block it shares
-with DeltaNet (model/mixers/deltanet.py) and KDA (model/mixers/kda.py).
+with DeltaNet (model/mixers/deltanet.py), KDA (kda.py), GDN-2 (gdn2.py) and Gated DeltaProduct (deltaproduct.py).
 
     q, k = l2norm(silu(conv(W_q x))), l2norm(silu(conv(W_k x)))   per head, x / sqrt(sum x^2 + 1e-6)
     v = silu(conv(W_v x)),  beta = sigmoid(W_b x),  g = -exp(A_log) softplus(W_a x + dt_bias)
@@ -76,8 +76,12 @@ class DeltaRuleBlock(nn.Module):
     # under context parallelism (model/ops/gated_delta/context_parallel.py): each slice's state map, the short convs' halos
     context_exchange = "the state map of each slice (H (K K + K V) per row) and the short convs' halos"
 
-    def __init__(self, config, layer_idx: int, name: str, opts: DeltaRuleOptions, num_v_heads: int | None = None):
+    erase_per_channel = False  # whether b_proj gives an erase gate per key channel (GDN-2's) or one beta per value head
+
+    def __init__(self, config, layer_idx: int, name: str, opts: DeltaRuleOptions, num_v_heads: int | None = None,
+                 steps: int = 1):
         super().__init__()
+        self.steps = steps  # delta-rule steps per token, each with its key, value and beta (DeltaProduct's)
         d = config.hidden_size
         self.layer_idx = layer_idx
         self.num_heads = opts.num_heads or config.num_attention_heads
@@ -91,13 +95,14 @@ class DeltaRuleBlock(nn.Module):
             raise bad_option(name, "num_v_heads", self.num_v_heads, f"a multiple of num_heads={self.num_heads}")
         self.head_v_dim = int(self.head_dim * self.expand_v)
         self.key_dim, self.value_dim = self.num_heads * self.head_dim, self.num_v_heads * self.head_v_dim
+        n = self.steps
         self.q_proj = nn.Linear(d, self.key_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.key_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.value_dim, bias=False)
-        self.b_proj = nn.Linear(d, self.num_v_heads, bias=False)
+        self.k_proj = nn.Linear(d, self.key_dim * n, bias=False)
+        self.v_proj = nn.Linear(d, self.value_dim * n, bias=False)
+        self.b_proj = nn.Linear(d, (self.key_dim if self.erase_per_channel else self.num_v_heads) * n, bias=False)
         self.q_conv = ShortConv(self.key_dim, self.conv_size)
-        self.k_conv = ShortConv(self.key_dim, self.conv_size)
-        self.v_conv = ShortConv(self.value_dim, self.conv_size)
+        self.k_conv = ShortConv(self.key_dim * n, self.conv_size)
+        self.v_conv = ShortConv(self.value_dim * n, self.conv_size)
         self.o_proj = nn.Linear(self.value_dim, d, bias=False)
         self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
 
@@ -116,42 +121,56 @@ class DeltaRuleBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None, segments=None) -> torch.Tensor:
         B, T, _ = x.shape
-        H, Hv, K, V = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim
+        H, Hv, K, V, n = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim, self.steps
         q = self.q_conv(self.q_proj(x), cache, "conv_q", segments).view(B, T, H, K)
-        k = self.k_conv(self.k_proj(x), cache, "conv_k", segments).view(B, T, H, K)
-        v = self.v_conv(self.v_proj(x), cache, "conv_v", segments).view(B, T, Hv, V)
+        k = self.k_conv(self.k_proj(x), cache, "conv_k", segments).reshape(B, T * n, H, K)  # a token's n steps in a row
+        v = self.v_conv(self.v_proj(x), cache, "conv_v", segments).reshape(B, T * n, Hv, V)
         q, k = ((at_least_fp32(t) / torch.sqrt(at_least_fp32(t).pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype)
                 for t in (q, k))
         q, k = repeat_heads(q, Hv), repeat_heads(k, Hv)  # each q, k head shared by Hv / H value heads
-        beta = at_least_fp32(self.b_proj(x)).sigmoid() * (2 if self.allow_neg_eigval else 1)
-        g = self.decay(x)
+        beta, write = self.gates(x)
+        inputs = (q, k, v, self.decay(x), beta, write)
         state = cache.get("state") if cache is not None else None
         if segments is not None and segments.context is not None:  # this rank's slice, the state passed along
-            o = gated_delta_rule_cp(q, k, v, g, beta, segments, chunk_size=self.chunk_size)
+            o = self.rule_cp(*inputs, segments)
         elif segments is not None:  # the state restarts at each segment; a cache keeps each row's last one's
-            o, state = chunk_gated_delta_rule(*(None if t is None else segments.flatten(t) for t in (q, k, v, g, beta)),
-                                              chunk_size=self.chunk_size, cu_seqlens=segments.cu_seqlens,
-                                              output_final_state=cache is not None)
+            o, state = self.rule(*(None if t is None else segments.flatten(t) for t in inputs),
+                                 cu_seqlens=segments.cu_seqlens, output_final_state=cache is not None)
             o, state = o.view(B, T, Hv, V), None if state is None else state[segments.last_segment]
-        elif cache is not None and T == 1:
-            o, state = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state,
-                                                        output_final_state=True)
         else:
-            o, state = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=state,
-                                              output_final_state=cache is not None, chunk_size=self.chunk_size)
+            o, state = self.rule(*inputs, initial_state=state, output_final_state=cache is not None,
+                                 decoding=cache is not None and T == 1)
         if cache is not None:
             cache["state"] = state.detach()
         return self.o_proj(self.normalize(o.to(x.dtype), x).reshape(B, T, Hv * V))
 
+    def gates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(beta [B, T n, Hv], None): one beta per value head and step, erasing and writing (GDN-2 overrides)."""
+        beta = at_least_fp32(self.b_proj(x)).sigmoid() * (2 if self.allow_neg_eigval else 1)
+        return beta.view(x.shape[0], -1, self.num_v_heads), None
+
+    def rule(self, q, k, v, g, beta, write, initial_state=None, output_final_state=False, cu_seqlens=None,
+             decoding=False):
+        """The delta rule over whole sequences (model/ops/gated_delta): per token when decoding one, else chunked."""
+        if decoding:
+            return fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state,
+                                                    output_final_state=output_final_state, write=write)
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, chunk_size=self.chunk_size,
+                                      output_final_state=output_final_state, cu_seqlens=cu_seqlens, write=write)
+
+    def rule_cp(self, q, k, v, g, beta, write, segments):
+        """The delta rule over this rank's slice under context parallelism, the state passed along."""
+        return gated_delta_rule_cp(q, k, v, g, beta, segments, chunk_size=self.chunk_size, write=write)
+
     def flops_per_token(self, seq_len: int, device) -> float:
         """q, k, v, o, b projections, the short convs and the delta rule at the chunk it runs at on `device` (fla's on
         CUDA); a subclass adds its decay and gate."""
-        d = self.q_proj.in_features
-        proj = 2 * d * (2 * self.key_dim + 2 * self.value_dim + self.num_v_heads)
-        conv = 2 * self.conv_size * (2 * self.key_dim + self.value_dim)
-        chunk = chunk_size_on(device, self.chunk_size, seq_len, self.per_channel_decay)
-        core = self.num_v_heads * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, seq_len, chunk,
-                                                          self.per_channel_decay)
+        proj = 2 * sum(m.weight.numel() for m in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.o_proj))
+        conv = 2 * sum(c.conv.weight.numel() for c in (self.q_conv, self.k_conv, self.v_conv))
+        steps = seq_len * self.steps  # the rule runs over every step of every token
+        chunk = chunk_size_on(device, self.chunk_size, steps, self.per_channel_decay)
+        core = self.num_v_heads * self.steps * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, steps, chunk,
+                                                                       self.per_channel_decay)
         return proj + conv + core
 
     per_channel_decay = False  # whether decay(x) gives one decay per key channel (the op's costlier form)
@@ -161,9 +180,9 @@ class DeltaRuleBlock(nn.Module):
 class GatedDeltaNet(DeltaRuleBlock):
     Options = GDNOptions
 
-    def __init__(self, config, layer_idx: int = 0):
-        opts = config.options_for_mixer("gdn", GDNOptions)
-        super().__init__(config, layer_idx, "gdn", opts, opts.num_v_heads)
+    def __init__(self, config, layer_idx: int = 0, name: str = "gdn", steps: int = 1):
+        opts = config.options_for_mixer(name, self.Options)
+        super().__init__(config, layer_idx, name, opts, opts.num_v_heads, steps)
         d = config.hidden_size
         self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
         self.g_proj = nn.Linear(d, self.value_dim, bias=False)

@@ -12,7 +12,8 @@ SUB_BLOCK = 8  # a per-channel decay's exact pairs (_decayed_products): sub-bloc
 # fla's chunk_delta_rule refuses float32 inputs (an assert), which fp32 runs and the checks hand it.
 CHUNK_KERNELS = {"none": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
                  "per_head": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
-                 "per_channel": ("fla.ops.kda", "chunk_kda")}
+                 "per_channel": ("fla.ops.kda", "chunk_kda"),
+                 "channel_gates": ("fla.ops.gdn2", "chunk_gdn2")}
 
 
 def decay_form(k: torch.Tensor, g: torch.Tensor | None) -> str:
@@ -25,27 +26,56 @@ def decay_form(k: torch.Tensor, g: torch.Tensor | None) -> str:
                      f"{tuple(k.shape)} (per key channel)")
 
 
+def channel_gates(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, write: torch.Tensor | None) -> bool:
+    """Whether the gates are GDN-2's, per channel (an erase gate beta [B, T, H, K] and a write gate write [B, T, H, V]),
+    rather than one beta [B, T, H] that erases and writes (write None; a write gate alone is GDN-2's with a scalar
+    erase gate)."""
+    if beta.shape not in (k.shape[:3], k.shape):
+        raise ValueError(f"beta of shape {tuple(beta.shape)}; valid: {tuple(k.shape[:3])} (per head) or {tuple(k.shape)} "
+                         "(an erase gate per key channel, with a write gate)")
+    if write is None and beta.dim() == 4:
+        raise ValueError("an erase gate per key channel (beta [B, T, H, K]) needs its write gate per value channel "
+                         f"(write {tuple(v.shape)})")
+    if write is not None and write.shape != v.shape:
+        raise ValueError(f"write of shape {tuple(write.shape)}; valid: {tuple(v.shape)} (one gate per value channel)")
+    return write is not None
+
+
+def per_channel_gates(k, v, g, beta, write):
+    """(g [B, T, H, K], erase [B, T, H, K or 1], write [B, T, H, V or 1]): the decay and the gates as the per-channel
+    form takes them (a decay per head or none spread over the key channels, a scalar beta as both gates)."""
+    g = k.new_zeros(k.shape) if g is None else g if g.dim() == 4 else g[..., None].expand(k.shape)
+    erase = beta if beta.dim() == 4 else beta[..., None]
+    return g, erase, beta[..., None] if write is None else write
+
+
 @own_precision
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           chunk_size=CHUNK_SIZE, cu_seqlens=None):
-    """Chunked (WY) delta rule with decay g (None, per head or per key channel; module docstring);
-    returns (o [B, T, H, V], final state [B, H, K, V] or None).
+                           chunk_size=CHUNK_SIZE, cu_seqlens=None, write=None):
+    """Chunked (WY) delta rule with decay g (None, per head or per key channel) and gates beta, write (one beta per
+    head, or GDN-2's erase and write gates per channel; module docstring); returns (o [B, T, H, V], final state
+    [B, H, K, V] or None).
 
     Per chunk of C tokens with in-chunk cumulative log decay G and Gamma_ij = exp(G_i - G_j) (i >= j; per key
     channel d for a per-channel decay, Gamma_ijd, contracted inside the products below):
         (I + strictLower(diag(beta) (Gamma o K K^T))) [u | w] = [beta v | beta k exp(G)]
+(with GDN-2's gates: (b o K) in place of diag(beta) K, and w o v in place of beta v)
         S_{n+1} = exp(G_C) S_n + kd^T (u - w S_n),   kd = k exp(G_C - G)   (state h, [K, V])
         o = scale [(q exp(G)) S_n + tril(Gamma o Q K^T) (u - w S_n)]
     Every exponent is <= 0. All chunks' intra-chunk work is batched; only the state recursion S_n -> S_{n+1}
     loops. A scalar decay per head (or none: g = 0) runs _ChunkedGatedDelta with its hand-written backward;
-    a per-channel decay runs _chunked_per_channel, differentiated by autograd. The default C = 32 is the
+    a per-channel decay or per-channel gates run _chunked_per_channel, differentiated by autograd. The default C = 32 is the
     fastest on CPU for the scalar decay (fla's GPU kernel uses 64). With cu_seqlens every sequence is laid
     out on whole chunks (ChunkLayout) and the state entering a sequence's first chunk is dropped (e^G zeroed
     there).
     """
-    form = decay_form(k, g)
+    form = "channel_gates" if channel_gates(k, v, beta, write) else decay_form(k, g)
     fla_chunk = optional_kernel(*CHUNK_KERNELS[form], q)
     if fla_chunk is not None:
+        if form == "channel_gates":  # fla's GDN-2 takes a decay and an erase gate per key channel
+            g, b, write = per_channel_gates(k, v, g, beta, write)
+            return fla_chunk(q, k, v, g=g.float(), b=b.expand(k.shape), w=write, scale=scale,
+                             initial_state=initial_state, output_final_state=output_final_state, cu_seqlens=cu_seqlens)
         g = q.new_zeros(q.shape[:3], dtype=torch.float32) if g is None else g
         return fla_chunk(q, k, v, g=g, beta=beta, scale=scale, initial_state=initial_state,
                          output_final_state=output_final_state, cu_seqlens=cu_seqlens)
@@ -54,15 +84,17 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     dtype, cd = v.dtype, accumulation_dtype(v.dtype)
     scale = K ** -0.5 if scale is None else scale
     C = min(chunk_size, T)
-    g = q.new_zeros(B, T, H, dtype=cd) if g is None else g.to(cd)
-    core = _chunked_per_channel if form == "per_channel" else _ChunkedGatedDelta.apply
+    if form in ("per_channel", "channel_gates"):
+        core, inputs = _chunked_per_channel, (q, k, v, *per_channel_gates(k, v, g, beta, write))
+    else:
+        core, inputs = _ChunkedGatedDelta.apply, (q, k, v, q.new_zeros(B, T, H) if g is None else g, beta)
     if cu_seqlens is None:
         S0 = q.new_zeros(B * H, K, V, dtype=cd) if initial_state is None else initial_state.to(cd).reshape(B * H, K, V)
-        o, S = core(q.to(cd), k.to(cd), v.to(cd), g, beta.to(cd), S0, scale, C, None, None)
+        o, S = core(*(x.to(cd) for x in inputs), S0, scale, C, None, None)
         return o.to(dtype), (S.view(B, H, K, V) if output_final_state else None)
     check_packed(q, cu_seqlens, initial_state)
     layout = ChunkLayout.build(cu_seqlens, C)
-    o, S = core(*(layout.pad(x.to(cd)) for x in (q, k, v, g, beta)), q.new_zeros(H, K, V, dtype=cd),
+    o, S = core(*(layout.pad(x.to(cd)) for x in inputs), q.new_zeros(H, K, V, dtype=cd),
                 scale, C, layout.resets, layout.ends)
     return layout.unpad(o).to(dtype), (S if output_final_state else None)
 
@@ -191,24 +223,25 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, dbeta)), dS0, None, None, None, None)
 
 
-def _chunked_per_channel(q, k, v, g, beta, S0, scale, C, resets, ends):
-    """_ChunkedGatedDelta's forward for a decay per key channel, g [B, T, H, K] (same arguments and returns),
-    in differentiable ops: autograd gives the backward. Gamma_ijd = exp(G_id - G_jd) is built per channel for
+def _chunked_per_channel(q, k, v, g, erase, write, S0, scale, C, resets, ends):
+    """_ChunkedGatedDelta's forward for a decay per key channel, g [B, T, H, K], and gates per channel, erase
+    [B, T, H, K or 1] and write [B, T, H, V or 1] (per_channel_gates; otherwise the same arguments and returns), in
+    differentiable ops: autograd gives the backward. Gamma_ijd = exp(G_id - G_jd) is built per channel for
     i >= j only, by sub-blocks (_decayed_products), so no exponent is positive however strong the decay."""
     T = k.shape[1]
-    q, k, v, G, beta = (_differentiable_chunks(x, C) for x in (q, k, v, g, beta))  # [N, B, H, C, *]
+    q, k, v, G, erase, write = (_differentiable_chunks(x, C) for x in (q, k, v, g, erase, write))  # [N, B, H, C, *]
     G = G.cumsum(-2)
     N, B, H, _, K = k.shape
     V = v.shape[-1]
     eG, ed = G.exp(), (G[..., -1:, :] - G).exp()
     if resets is not None:
         eG = eG.masked_fill(resets.view(N, 1, 1, 1, 1), 0.0)
-    kb = k * beta[..., None]
+    kb = k * erase
     akk = _decayed_products(kb, k, G).tril(-1)
     aqk = _decayed_products(q, k, G)
     eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
     inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)
-    u, w = inv @ (v * beta[..., None]), inv @ (kb * eG)
+    u, w = inv @ (v * write), inv @ (kb * eG)
     qg, kd, decay = q * eG, (k * ed).transpose(-1, -2), eG[..., -1, :, None].reshape(N, B * H, K, 1)
     states, outs = [S0], []
     for n in range(N):  # the state recursion over [B H]-batched matrices

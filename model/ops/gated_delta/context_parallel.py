@@ -15,8 +15,8 @@ outputs' last K columns are scale A_{<=t}^T q_t. On its slice of a row each rank
 Every token runs through the rule once, the head's at V + K value columns instead of V; only the maps travel
 (H (K K + K V) numbers per row), never activations. The calls are our chunked op's (fla's kernels on CUDA): a
 batch of heads with an initial state, and the rest as packed sequences (cu_seqlens). Without decay (DeltaNet)
-alpha = 1; with a decay per key channel (KDA) Diag(alpha_t) is one; beta in (0, 2) (negative eigenvalues) changes
-nothing here. The same form serves derived GDN's gated delta rule (derived_gated_delta_rule_cp).
+alpha = 1; with a decay per key channel (KDA) Diag(alpha_t) is one; beta in (0, 2) (negative eigenvalues) and GDN-2's
+erase and write gates change nothing here. The same form serves derived GDN's gated delta rule (derived_gated_delta_rule_cp).
 """
 import torch
 import torch.nn.functional as F
@@ -47,28 +47,30 @@ def rest_layout(segments):
 
 
 @own_precision
-def gated_delta_rule_cp(q, k, v, g, beta, segments, scale=None, chunk_size=CHUNK_SIZE):
+def gated_delta_rule_cp(q, k, v, g, beta, segments, scale=None, chunk_size=CHUNK_SIZE, write=None):
     """chunk_gated_delta_rule's o [B, L, H, V] over this rank's slice of every row (segments: its DocumentSegments
     with a context), equal to the whole rows' rule in one process: q, k [B, L, H, K], v [B, L, H, V], g (None,
-    [B, L, H] or [B, L, H, K]), beta [B, L, H]."""
+    [B, L, H] or [B, L, H, K]), beta [B, L, H] (or GDN-2's erase gate [B, L, H, K] with its write gate write
+    [B, L, H, V]: the [0 | I] columns' write gate is 1, their values being 0)."""
     B, L, H, K = k.shape
     V = v.shape[-1]
     cd = accumulation_dtype(v.dtype)
     # 1. the heads, from [0 | I] on [v | 0]
-    (hq, hk, hv, hg, hb), mask = head_tokens(segments, q, k, v, g, beta)
+    (hq, hk, hv, hg, hb, hw), mask = head_tokens(segments, q, k, v, g, beta, write)
     n = mask.shape[1]
     start = torch.cat([torch.zeros(B, H, K, V, dtype=cd, device=k.device),
                        torch.eye(K, dtype=cd, device=k.device).expand(B, H, K, K)], -1)
+    hw = None if hw is None else torch.cat([hw, hw.new_ones(B, n, H, K)], -1)
     ho, hfinal = chunk_gated_delta_rule(hq, hk, torch.cat([hv, hv.new_zeros(B, n, H, K)], -1), hg, hb, scale=scale,
-                                        initial_state=start, output_final_state=True, chunk_size=chunk_size)
+                                        initial_state=start, output_final_state=True, chunk_size=chunk_size, write=hw)
     transition, offset = hfinal[..., V:], hfinal[..., :V]
     # 2. the rest, each document from zero; a row's outgoing state where a document starts in it
     o = torch.cat([ho[..., :V], v.new_zeros(B, L - n, H, V)], 1).flatten(0, 1)  # the heads' o^0, in place
     index, cu_seqlens, last = rest_layout(segments)
     if len(index):
-        rest = [None if x is None else x.flatten(0, 1)[index][None] for x in (q, k, v, g, beta)]
+        *rest, rest_write = [None if x is None else x.flatten(0, 1)[index][None] for x in (q, k, v, g, beta, write)]
         ro, finals = chunk_gated_delta_rule(*rest, scale=scale, output_final_state=True, chunk_size=chunk_size,
-                                            cu_seqlens=cu_seqlens)
+                                            cu_seqlens=cu_seqlens, write=rest_write)
         o = o.index_copy(0, index, ro[0].to(o.dtype))
         cut = segments.cut.view(B, 1, 1, 1)
         offset = torch.where(cut, finals[last.clamp(min=0)].to(cd), offset)
