@@ -2,8 +2,8 @@
 ratios against a peer measured in the same run, since machines are noisy.
 
     python scripts/bench.py                 # every suite
-    python scripts/bench.py gdn mamba2      # chosen suites; `--help` lists them (data, decode, docmask, dsa,
-                                            # ep, gdn, mamba2, model, moe, recipe, scaling)
+    python scripts/bench.py gdn mamba2      # chosen suites; `--help` lists them (cp, data, decode, delta, docmask,
+                                            # dsa, ep, gdn, mamba2, model, moe, recipe, scaling)
     python scripts/bench.py moe --quick     # small shapes, a smoke run
 
 Each suite is a module in scripts/benchmarks/ with `run(quick: bool) -> str` returning a markdown

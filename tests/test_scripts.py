@@ -421,6 +421,22 @@ def check_gdn(report):
     assert len({r["params"] for r in model}) == 1  # the same model on both sides
 
 
+def check_delta(report):
+    """Both tables (ops, one mixer layer): the family's cases beside softmax, backward the difference of the two
+    timings, every ratio the ratio of its columns."""
+    for rows in tables(report):
+        assert [r["case"] for r in rows][1:] == ["gdn", "deltanet", "kda", "gdn2", "deltaproduct n=2",
+                                                 "deltaproduct n=3"] and rows[0]["case"].startswith("softmax"), rows
+        softmax, gdn = rows[0], rows[1]
+        for r in rows:
+            bwd = number(r["fwd+bwd ms"]) - number(r["fwd ms"])
+            assert number(r["bwd ms"]) == pytest.approx(bwd, abs=0.11), r
+        assert_ratio(rows, "time / softmax", lambda r: r["fwd+bwd ms"], lambda r: softmax["fwd+bwd ms"])
+        assert_ratio(rows, "time / gdn", lambda r: r["fwd+bwd ms"], lambda r: gdn["fwd+bwd ms"])
+        assert_ratio(rows, "fwd / gdn fwd", lambda r: r["fwd ms"], lambda r: gdn["fwd ms"])
+        assert_ratio(rows, "bwd / gdn bwd", lambda r: r["bwd ms"], lambda r: gdn["bwd ms"])
+
+
 def check_mamba2(report):
     assert all(float(d) < 1e-3 for d in re.findall(r"max \|\w+ - \w+\|(?: with shared weights)? = ([0-9.e+-]+)", report))
     op, model = tables(report)
@@ -467,6 +483,7 @@ def check_decode(report):
     assert_ratio(rows, "ours / Llama", lambda r: r["ours tokens/s"], lambda r: r["transformers Llama tokens/s"])
 
 
-BENCH_CHECKS = {"cp": check_cp, "data": check_data, "decode": check_decode, "docmask": check_docmask, "dsa": check_dsa, "ep": check_ep, "gdn": check_gdn,
+BENCH_CHECKS = {"cp": check_cp, "data": check_data, "decode": check_decode, "delta": check_delta,
+                "docmask": check_docmask, "dsa": check_dsa, "ep": check_ep, "gdn": check_gdn,
                 "mamba2": check_mamba2, "model": check_model, "moe": check_moe, "recipe": check_recipe,
                 "scaling": check_scaling}
