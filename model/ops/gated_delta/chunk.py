@@ -242,14 +242,15 @@ def _chunked_per_channel(q, k, v, g, erase, write, S0, scale, C, resets, ends):
     eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
     inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)
     u, w = inv @ (v * write), inv @ (kb * eG)
-    qg, kd, decay = q * eG, (k * ed).transpose(-1, -2), eG[..., -1, :, None].reshape(N, B * H, K, 1)
-    states, outs = [S0], []
-    for n in range(N):  # the state recursion over [B H]-batched matrices
-        S = states[-1].view(B, H, K, V)
-        vnew = u[n] - w[n] @ S
-        outs.append(qg[n] @ S + aqk[n] @ vnew)
-        states.append(states[-1] * decay[n] + (kd[n] @ vnew).view(B * H, K, V))
-    o = torch.stack(outs) * scale
+    kd, decay = (k * ed).transpose(-1, -2), eG[..., -1, :, None].reshape(N, B * H, K, 1)
+    # only the state recursion loops, over [B H]-batched matrices, each operand split once (indexing a tensor per
+    # chunk would give its backward one full-size zero fill per chunk); the outputs are batched after it
+    states, vnews = [S0], []
+    for u_n, w_n, kd_n, decay_n in zip(u.unbind(0), w.unbind(0), kd.unbind(0), decay.unbind(0)):
+        vnews.append(u_n - w_n @ states[-1].view(B, H, K, V))
+        states.append(states[-1] * decay_n + (kd_n @ vnews[-1]).view(B * H, K, V))
+    entering = torch.stack(states[:-1]).view(N, B, H, K, V)
+    o = ((q * eG) @ entering + aqk @ torch.stack(vnews)) * scale
     final = states[-1] if ends is None else torch.stack(states)[ends]
     return o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T], final
 
