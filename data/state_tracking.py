@@ -5,9 +5,9 @@ Models"; Grazzi et al. 2025, "Unlocking State-Tracking in Linear RNNs Through Ne
 Tasks (data.task): a group G whose elements are the token ids 0 .. |G|-1, id 0 its identity:
     parity      Z_2: bits, the state their running XOR
     mod_count   Z_m, m = data.modulus: integers mod m, the state their running sum mod m
-    s3, a5, s5  permutations of {0, .., n-1} in one-line notation (s[i] = the image of i), numbered in
-                itertools.permutations' (lexicographic) order; A5 keeps the even ones. |S3| = 6, |A5| = 60,
-                |S5| = 120.
+    s3, s4, a5, s5  permutations of {0, .., n-1} in one-line notation (s[i] = the image of i), numbered in
+                itertools.permutations' (lexicographic) order; A5 keeps the even ones. |S3| = 6, |S4| = 24,
+                |A5| = 60, |S5| = 120 (DeltaProduct's four word problems, Siems et al. 2025).
 An example x_0 x_1 ... (each uniform over G) has the state p_t = x_0 . x_1 . ... . x_t, where
 (s . u)(i) = u(s(i)): permutations act left to right, x_0 first (sympy's Permutation product).
 Labels are ids of the same vocabulary (vocab_size = |G|), aligned with input_ids and shifted by the model,
@@ -34,7 +34,7 @@ import torch
 from data.registry import DATASETS
 from data.types import Data, Split
 
-TASKS = ("parity", "mod_count", "s3", "a5", "s5")
+TASKS = ("parity", "mod_count", "s3", "s4", "a5", "s5")
 EVAL_FACTORS = (1, 2, 4, 8)
 SPLITS = {"train": 0, "test": 1}
 
@@ -70,7 +70,8 @@ def permutation_group(n: int, even_only: bool) -> Group:
 def build_group(task: str, modulus: int) -> Group:
     """The group of data.task (one of TASKS, checked with the config: training/validation.py)."""
     return {"parity": lambda: cyclic_group(2), "mod_count": lambda: cyclic_group(modulus),
-            "s3": lambda: permutation_group(3, False), "a5": lambda: permutation_group(5, True),
+            "s3": lambda: permutation_group(3, False), "s4": lambda: permutation_group(4, False),
+            "a5": lambda: permutation_group(5, True),
             "s5": lambda: permutation_group(5, False)}[task]()
 
 

@@ -21,11 +21,12 @@ hybrid with softmax attention, at its default options:
 
 Lengths cross a chunk of 64 (the chunked ops' default) and are not multiples of it."""
 import dataclasses
+import re
 
 import pytest
 import torch
 
-from conftest import perturbed, reinitialised_over_nan
+from conftest import ROOT, perturbed, reinitialised_over_nan
 from model import DecodeCache, DecoderLM, LMConfig
 from model.layers import KVBuffer
 from model.registry import MIXERS
@@ -284,3 +285,13 @@ def test_declares_its_context_parallel_means(name):
     exchange = getattr(MIXERS.get(name), "context_exchange", None)
     assert isinstance(exchange, str) and exchange, name
     assert name in cases()
+
+
+@pytest.mark.parametrize("name", MIXERS.names())
+def test_documented_in_blocks_md(name):
+    """docs/blocks.md has its row in the mixer table (`mixer=` name) and in the init table, so the reference of a mixer
+    registered later is written down beside the others'."""
+    text = (ROOT / "docs" / "blocks.md").read_text()
+    assert f"\n| `{name}` |" in text, f"docs/blocks.md's mixer table lacks `{name}`"
+    assert re.search(rf"\n\| [^|]*\b{name}\b[^|]* \| ", text.split("| block | follows | init |")[1]), \
+        f"docs/blocks.md's init table lacks {name}"

@@ -13,7 +13,7 @@ from sympy.combinatorics.named_groups import AlternatingGroup, SymmetricGroup
 from data.state_tracking import TASKS, band_metrics, build_group, build_state_tracking, state_accuracy
 from model import MIXERS
 
-ORDERS = {"parity": 2, "mod_count": 5, "s3": 6, "a5": 60, "s5": 120}
+ORDERS = {"parity": 2, "mod_count": 5, "s3": 6, "s4": 24, "a5": 60, "s5": 120}
 
 
 def st_cfg(task="parity", modulus=5, train=32, test=8):
@@ -40,8 +40,8 @@ def test_mod_count_follows_the_modulus():
     assert len(g) == 7 and g.table[3, 6] == 2
 
 
-@pytest.mark.parametrize("task,n,reference", [("s3", 3, SymmetricGroup(3)), ("a5", 5, AlternatingGroup(5)),
-                                             ("s5", 5, SymmetricGroup(5))])
+@pytest.mark.parametrize("task,n,reference", [("s3", 3, SymmetricGroup(3)), ("s4", 4, SymmetricGroup(4)),
+                                             ("a5", 5, AlternatingGroup(5)), ("s5", 5, SymmetricGroup(5))])
 def test_permutation_groups_are_sympys_in_lexicographic_order(task, n, reference):
     """The elements are exactly sympy's group (A5: the 60 even permutations), numbered in lexicographic order from
     the identity; the table is sympy's product, (s * u)(i) = u(s(i))."""
@@ -152,7 +152,7 @@ def test_state_accuracy_of_a_model_counts_argmax_hits(mixer, one_thread):
 
 
 @pytest.mark.parametrize("overrides,message", [
-    (["data.task=d4"], "data.task='d4'; valid: one of parity, mod_count, s3, a5, s5"),
+    (["data.task=d4"], "data.task='d4'; valid: one of parity, mod_count, s3, s4, a5, s5"),
     (["data.modulus=1"], "data.modulus=1; valid: an integer >= 2"),
     (["trainer.seq_len=600"], "trainer.seq_len=600; valid with data=state_tracking (tested at 8 x trainer.seq_len = "
                               "4800 tokens): <= model.max_position_embeddings / 8 = 512"),
