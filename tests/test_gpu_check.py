@@ -45,8 +45,10 @@ def test_train_stage_plans_every_mixer_on_cpu(tmp_path, monkeypatch, capsys):
     out, result = capsys.readouterr().out, json.loads((tmp_path / "t.json").read_text())
     assert "gpu_check stage train: budget 5 min 00 s" in out and "data, train need a CUDA GPU" in out
     assert sorted(result["plan"]) == sorted(checks_stage.MIXERS)
-    for mixer, plan in result["plan"].items():  # model=125m: ~85M non-embedding parameters + 4096 x 768 embeddings
-        assert 80e6 < plan["parameters"] < 130e6 and plan["forward_flops_per_token"] > 2 * plan["parameters"] * 0.6, mixer
+    # model=125m: ~85M non-embedding parameters + 4096 x 768 embeddings; deltaproduct 138M (its 2 Householder steps per
+    # token double k's and v's projections and short convs: 1.8M more per layer than gdn's 117M)
+    for mixer, plan in result["plan"].items():
+        assert 80e6 < plan["parameters"] < 145e6 and plan["forward_flops_per_token"] > 2 * plan["parameters"] * 0.6, mixer
 
 
 def test_a_failing_check_hides_neither_the_others_nor_the_summary(tmp_path, monkeypatch, capsys):
