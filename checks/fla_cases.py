@@ -15,18 +15,34 @@ def _randn(seed: int, **shapes) -> dict:
     return {name: torch.randn(*shape, generator=g) for name, shape in shapes.items()}
 
 
-def gdn_inputs(T: int, seed: int = 0, B=2, H=4, K=64, V=128, state=True, decay="per_head", max_beta=1.0) -> dict:
+def gdn_inputs(T: int, seed: int = 0, B=2, H=4, K=64, V=128, state=True, decay="per_head", max_beta=1.0,
+               gates="scalar") -> dict:
     """The delta rule's inputs; decay: "per_head" (GDN: g [B, T, H]), "per_channel" (KDA: g [B, T, H, K]) or
-    "none" (DeltaNet: no g); max_beta=2: beta in (0, 2), as allow_neg_eigval gives."""
-    x = _randn(seed, q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), g=(B, T, H, K), beta=(B, T, H),
-               initial_state=(B, H, K, V))
+    "none" (DeltaNet: no g); max_beta=2: beta in (0, 2), as allow_neg_eigval gives. gates="channel": GDN-2's, beta
+    an erase gate per key channel [B, T, H, K] in (0, max_beta) and write a write gate per value channel
+    [B, T, H, V] in (0, 1) (drawn after the rest: the other inputs are those of gates="scalar")."""
+    shapes = dict(q=(B, T, H, K), k=(B, T, H, K), v=(B, T, H, V), g=(B, T, H, K), beta=(B, T, H), initial_state=(B, H, K, V))
+    x = _randn(seed, **shapes, **(dict(erase=(B, T, H, K), write=(B, T, H, V)) if gates == "channel" else {}))
     x["q"], x["k"] = F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1)
     x["g"], x["beta"] = F.logsigmoid(x["g"] + 3), max_beta * x["beta"].sigmoid()
     x["initial_state"] = 0.1 * x["initial_state"] if state else None
+    if gates == "channel":
+        x["beta"], x["write"] = max_beta * x.pop("erase").sigmoid(), x["write"].sigmoid()
     if decay == "per_head":
         x["g"] = x["g"][..., 0].contiguous()
     elif decay == "none":
         del x["g"]
+    return x
+
+
+def product_inputs(T: int, steps: int = 2, seed: int = 0, B=2, H=4, K=64, V=128, state=True, max_beta=2.0) -> dict:
+    """Gated DeltaProduct's inputs (model/ops/gated_delta/product.py): q [B, T, H, K], g [B, T, H] per token; k, v,
+    beta [B, T steps, H, *] per Householder step, a token's steps consecutive; beta in (0, max_beta)."""
+    n = T * steps
+    x = _randn(seed, q=(B, T, H, K), k=(B, n, H, K), v=(B, n, H, V), g=(B, T, H), beta=(B, n, H), initial_state=(B, H, K, V))
+    x["q"], x["k"] = F.normalize(x["q"], dim=-1), F.normalize(x["k"], dim=-1)
+    x["g"], x["beta"] = F.logsigmoid(x["g"] + 3), max_beta * x["beta"].sigmoid()
+    x["initial_state"] = 0.1 * x["initial_state"] if state else None
     return x
 
 
@@ -87,19 +103,36 @@ def compare_runs(name: str, got: dict, want: dict, bf16: bool = False) -> list[s
     return [line for key in want if (line := mismatch(f"{name} {key}", got[key], want[key], grad if key.startswith("d") else fwd))]
 
 
-def op_gdn_chunk(q, k, v, beta, g=None, initial_state=None, cu_seqlens=None):
+def op_gdn_chunk(q, k, v, beta, g=None, initial_state=None, cu_seqlens=None, write=None):
     from model.ops.gated_delta import chunk_gated_delta_rule
 
     o, S = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                  cu_seqlens=cu_seqlens)
+                                  cu_seqlens=cu_seqlens, write=write)
     return {"o": o, "state": S}
 
 
-def op_gdn_recurrent(q, k, v, beta, g=None, initial_state=None, cu_seqlens=None):
+def op_gdn_recurrent(q, k, v, beta, g=None, initial_state=None, cu_seqlens=None, write=None):
     from model.ops.gated_delta import fused_recurrent_gated_delta_rule
 
     o, S = fused_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=initial_state, output_final_state=True,
-                                            cu_seqlens=cu_seqlens)
+                                            cu_seqlens=cu_seqlens, write=write)
+    return {"o": o, "state": S}
+
+
+def op_product_chunk(q, k, v, beta, g=None, initial_state=None, cu_seqlens=None):
+    """Gated DeltaProduct, k.shape[1] // q.shape[1] steps per token (product_inputs)."""
+    from model.ops.gated_delta.product import chunk_gated_delta_product
+
+    o, S = chunk_gated_delta_product(q, k, v, g, beta, k.shape[1] // q.shape[1], initial_state=initial_state,
+                                     output_final_state=True, cu_seqlens=cu_seqlens)
+    return {"o": o, "state": S}
+
+
+def op_product_recurrent(q, k, v, beta, g=None, initial_state=None, cu_seqlens=None):
+    from model.ops.gated_delta.product import fused_recurrent_gated_delta_product
+
+    o, S = fused_recurrent_gated_delta_product(q, k, v, g, beta, k.shape[1] // q.shape[1], initial_state=initial_state,
+                                               output_final_state=True, cu_seqlens=cu_seqlens)
     return {"o": o, "state": S}
 
 

@@ -5,7 +5,8 @@ import math
 import torch
 
 from checks.fla_cases import (CU_SEQLENS, compare_runs, gdn_inputs, linear_inputs, op_gdn_chunk, op_gdn_recurrent,
-                              op_linear, op_ssd, packed, rounded, run_op, ssd_inputs)
+                              op_linear, op_product_chunk, op_product_recurrent, op_ssd, packed, product_inputs, rounded,
+                              run_op, ssd_inputs)
 from checks.stage import BF16_FWD_TOL, BF16_GRAD_TOL, Stage, counting, mismatch, training_model_config
 from training.perf import GPU_PEAKS, cpu_contention_warning, cpu_peak, cuda_fp32_precision, gpu_peak
 
@@ -85,10 +86,11 @@ def kernel_shapes() -> dict:
     from model import MIXERS
 
     with torch.device("meta"):
-        gdn, deltanet, kda, derived, linear, mamba2 = (MIXERS.get(m)(training_model_config(m), 0) for m in (
-            "gdn", "deltanet", "kda", "derived_gdn", "linear", "mamba2"))
+        gdn, deltanet, kda, gdn2, product, derived, linear, mamba2 = (MIXERS.get(m)(training_model_config(m), 0) for m in (
+            "gdn", "deltanet", "kda", "gdn2", "deltaproduct", "derived_gdn", "linear", "mamba2"))
     return {**{name: dict(H=m.num_v_heads, K=m.head_dim, V=m.head_v_dim)  # q, k repeated to the value heads
-               for name, m in (("gdn", gdn), ("deltanet", deltanet), ("kda", kda))},
+               for name, m in (("gdn", gdn), ("deltanet", deltanet), ("kda", kda), ("gdn2", gdn2))},
+            "deltaproduct": dict(H=product.num_v_heads, K=product.head_dim, V=product.head_v_dim, steps=product.steps),
             "derived_gdn": dict(H=derived.num_heads, K=derived.head_dim, V=derived.head_dim),
             "linear": dict(H=linear.num_heads, K=linear.head_dim, V=linear.head_dim),
             "mamba2": dict(H=mamba2.num_heads, P=mamba2.head_dim, G=mamba2.n_groups, N=mamba2.state_size)}
@@ -100,8 +102,9 @@ def kernel_cases() -> list[tuple]:
     shapes = kernel_shapes()
     T = CU_SEQLENS[-1]
     GDN, LIN, SSD = "fla.ops.gated_delta_rule", "fla.ops.linear_attn", "fla.ops.simple_gla"
-    DELTA, KDA = "fla.ops.delta_rule", "fla.ops.kda"
+    DELTA, KDA, GDN2 = "fla.ops.delta_rule", "fla.ops.kda", "fla.ops.gdn2"
     gdn_grads, lin_grads = ("q", "k", "v", "g", "beta"), ("q", "k", "v")
+    gdn2 = dict(decay="per_channel", gates="channel", **shapes["gdn2"])  # GDN-2: erase and write gates per channel
     delta_grads = ("q", "k", "v", "beta")
     ssd_grads = ("x", "dt", "A", "B", "C", "D", "dt_bias")
     cases = []
@@ -126,6 +129,15 @@ def kernel_cases() -> list[tuple]:
              KDA, "chunk_kda", bf16),
             (f"kda recurrent one step {p}", op_gdn_recurrent, gdn_inputs(1, decay="per_channel", **shapes["kda"]), (),
              KDA, "fused_recurrent_kda", bf16),
+            (f"gdn2 chunk packed {p}", op_gdn_chunk, packed(gdn_inputs(T, B=1, state=False, max_beta=2.0, **gdn2)),
+             gdn_grads + ("write",), GDN2, "chunk_gdn2", bf16),
+            (f"gdn2 recurrent one step {p}", op_gdn_recurrent, gdn_inputs(1, **gdn2), (), GDN2, "fused_recurrent_gdn2", bf16),
+            # Gated DeltaProduct: fla's GDN kernels on the interleaved Householder steps (model/ops/gated_delta/product.py)
+            (f"deltaproduct chunk packed {p}", op_product_chunk,
+             packed(product_inputs(T, B=1, state=False, **shapes["deltaproduct"])), gdn_grads, GDN, "chunk_gated_delta_rule",
+             bf16),
+            (f"deltaproduct recurrent one step {p}", op_product_recurrent, product_inputs(1, **shapes["deltaproduct"]), (),
+             GDN, "fused_recurrent_gated_delta_rule", bf16),
             (f"linear packed {p}", op_linear(True), packed(linear_inputs(T, B=1, state=False, **shapes["linear"])), lin_grads,
              LIN, "chunk_linear_attn", bf16),
             (f"linear initial state {p}", op_linear(True), linear_inputs(300, **shapes["linear"]), lin_grads + ("S0", "z0"),

@@ -100,6 +100,7 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
     counts and widths of the kernel cases (so the configs stage kernels autotunes are those training uses)."""
     from model import MIXERS
     from model.layers import DocumentSegments
+    import model.mixers.deltaproduct as deltaproduct_mixer
     import model.mixers.gdn as gdn_mixer
     import model.mixers.linear as linear_mixer
     import model.mixers.mamba2 as mamba2_mixer
@@ -116,21 +117,25 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
         monkeypatch.setattr(module, name, spied)
 
     spy(gdn_mixer, "chunk_gated_delta_rule", "delta_rule_block", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
+    spy(deltaproduct_mixer, "chunk_gated_delta_product", "deltaproduct",
+        lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3], k.shape[1] // q.shape[1]))
     spy(gated_delta, "chunk_gated_delta_rule", "derived_gdn", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
     spy(linear_mixer, "chunk_linear_attn", "linear", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
     spy(mamba2_mixer, "mamba_chunk_scan", "mamba2", lambda x, dt, A, B, C, *_: (x.shape[2], x.shape[3], B.shape[2], B.shape[3]))
     positions = torch.cat([torch.arange(20), torch.arange(12)])[None]
     with torch.no_grad():
-        for mixer in ("gdn", "deltanet", "kda", "derived_gdn", "linear", "mamba2"):
+        for mixer in ("gdn", "deltanet", "kda", "gdn2", "deltaproduct", "derived_gdn", "linear", "mamba2"):
             layer = MIXERS.get(mixer)(checks_stage.training_model_config(mixer), 0)
             layer(torch.randn(1, 32, layer_width(layer)), segments=DocumentSegments(positions))
-            if "delta_rule_block" in seen:  # gdn, deltanet and kda call the op from DeltaRuleBlock (model/mixers/gdn.py)
+            if "delta_rule_block" in seen:  # gdn, deltanet, kda, gdn2 call the op from DeltaRuleBlock (model/mixers/gdn.py)
                 seen[mixer] = seen.pop("delta_rule_block")
     cases = {name: inputs for name, _, inputs, *_ in kernels.kernel_cases()}
     q = lambda name: cases[name]["q"]  # noqa: E731
-    for mixer in ("gdn", "deltanet", "kda"):
+    for mixer in ("gdn", "deltanet", "kda", "gdn2"):
         case = f"{mixer} chunk packed bf16"
         assert seen[mixer] == (q(case).shape[2], q(case).shape[3], cases[case]["v"].shape[3])
+    product = cases["deltaproduct chunk packed bf16"]
+    assert seen["deltaproduct"] == (*product["q"].shape[2:], product["v"].shape[3], product["k"].shape[1] // product["q"].shape[1])
     assert seen["derived_gdn"] == (q("derived_gdn chunk packed bf16").shape[2], q("derived_gdn chunk packed bf16").shape[3],
                                    cases["derived_gdn chunk packed bf16"]["v"].shape[3])
     assert seen["linear"] == (q("linear packed bf16").shape[2], q("linear packed bf16").shape[3],
