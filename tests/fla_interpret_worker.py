@@ -23,12 +23,12 @@ import traceback
 
 import torch
 
-from checks.fla_cases import (gdn_inputs, linear_inputs, op_gdn_chunk, op_gdn_recurrent, op_linear, op_ssd, run_op,
-                              ssd_inputs)
+from checks.fla_cases import (gdn_inputs, linear_inputs, op_gdn_chunk, op_gdn_recurrent, op_linear, op_product_chunk,
+                              op_product_recurrent, op_ssd, product_inputs, run_op, ssd_inputs)
 from model.ops import kernels
 
 GDN, LINEAR, SSD = "fla.ops.gated_delta_rule", "fla.ops.linear_attn", "fla.ops.simple_gla"
-DELTA, KDA = "fla.ops.delta_rule", "fla.ops.kda"
+DELTA, KDA, GDN2 = "fla.ops.delta_rule", "fla.ops.kda", "fla.ops.gdn2"
 CU_SEQLENS = torch.tensor([0, 13, 83, 100])  # lengths 13, 70, 17: a sequence over two of fla's 64-token chunks
 CU_SHORT = torch.tensor([0, 3, 9, 11])  # for the per-token recurrence
 # small shapes: the interpreter runs every kernel program in Python
@@ -58,6 +58,8 @@ T_PACKED = int(CU_SEQLENS[-1])
 GDN_GRADS = ("q", "k", "v", "g", "beta", "initial_state")
 SSD_GRADS = ("x", "dt", "A", "B", "C", "D", "dt_bias", "initial_states")
 DELTA_GRADS = ("q", "k", "v", "beta", "initial_state")  # DeltaNet: no decay
+GDN2_GRADS = GDN_GRADS + ("write",)  # GDN-2: beta is the erase gate per key channel, write the write gate per value channel
+GDN2_INPUTS = dict(decay="per_channel", gates="channel", **GDN_SHAPE)
 # name: (our op, its inputs, the inputs differentiated, the fla module and function the dispatch must call,
 #        the reference when it is not the same op on the PyTorch path, the dtype fla runs in)
 CASES = {
@@ -88,6 +90,19 @@ CASES = {
                                      KDA, "fused_recurrent_kda"),
     "kda recurrent, one token": (op_gdn_recurrent, gdn_inputs(1, decay="per_channel", **GDN_SHAPE), (), KDA,
                                  "fused_recurrent_kda"),
+    # GDN-2 (fla's chunk_gdn2 / fused_recurrent_gdn2): erase gates in (0, 2) (allow_neg_eigval), write gates in (0, 1)
+    "gdn2 chunk, initial state": (op_gdn_chunk, gdn_inputs(40, max_beta=2.0, **GDN2_INPUTS), GDN2_GRADS, GDN2,
+                                  "chunk_gdn2"),  # one partial chunk
+    "gdn2 chunk, cu_seqlens": (op_gdn_chunk, {**gdn_inputs(T_PACKED, B=1, state=False, **GDN2_INPUTS), "cu_seqlens": CU_SEQLENS},
+                               GDN_GRADS[:-1] + ("write",), GDN2, "chunk_gdn2"),
+    "gdn2 recurrent, initial state": (op_gdn_recurrent, gdn_inputs(7, max_beta=2.0, **GDN2_INPUTS), (), GDN2,
+                                      "fused_recurrent_gdn2"),
+    "gdn2 recurrent, one token": (op_gdn_recurrent, gdn_inputs(1, **GDN2_INPUTS), (), GDN2, "fused_recurrent_gdn2"),
+    # Gated DeltaProduct, 2 Householder steps per token: fla's GDN kernels on the interleaved steps (product.py)
+    "deltaproduct chunk, initial state": (op_product_chunk, product_inputs(35, **GDN_SHAPE), GDN_GRADS, GDN,
+                                          "chunk_gated_delta_rule"),  # 70 steps: a full chunk and a partial one
+    "deltaproduct recurrent, one token": (op_product_recurrent, product_inputs(1, **GDN_SHAPE), (), GDN,
+                                          "fused_recurrent_gated_delta_rule"),
     "linear, initial state": (op_linear(False), linear_inputs(70, **LINEAR_SHAPE), ("q", "k", "v", "S0"), LINEAR,
                               "chunk_linear_attn"),
     "linear normalized, initial state": (op_linear(True), linear_inputs(70, **LINEAR_SHAPE), ("q", "k", "v", "S0", "z0"),

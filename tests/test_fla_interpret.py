@@ -3,10 +3,12 @@ on CUDA (the same wrapper, the same arguments), against our PyTorch ops in float
 without cu_seqlens and initial states, gradients included) and fused recurrent (forward: fla has no
 backward for it, and we decode with it), the same for DeltaNet (no decay: fla's GDN kernel at g = 0, as its
 chunk_delta_rule refuses fp32; fused_recurrent_delta_rule to decode) and KDA (a decay per key channel: chunk_kda)
-with beta in (0, 2) (allow_neg_eigval), linear attention (plain and with our normaliser, cu_seqlens), Mamba2's SSD
-through chunk_simple_gla (cu_seqlens, initial states, gradients; with allow_neg_eigval too, its sign carried around
-the same kernel). A case the interpreter cannot run is skipped with the worker's reason (bf16: the interpreter
-computes bf16 arithmetic on raw bits).
+with beta in (0, 2) (allow_neg_eigval), GDN-2 (chunk_gdn2 and fused_recurrent_gdn2: erase gates per key channel in
+(0, 2), write gates per value channel, gradients of both) and Gated DeltaProduct (two Householder steps per token,
+fla's GDN kernels on the interleaved steps, as model/ops/gated_delta/product.py calls them), linear attention
+(plain and with our normaliser, cu_seqlens), Mamba2's SSD through chunk_simple_gla (cu_seqlens, initial states,
+gradients; with allow_neg_eigval too, its sign carried around the same kernel). A case the interpreter cannot
+run is skipped with the worker's reason (bf16: the interpreter computes bf16 arithmetic on raw bits).
 
 The kernels run in a subprocess (tests/fla_interpret_worker.py): TRITON_INTERPRET must be set before fla's
 kernels are decorated at import and then turns every Triton kernel decorated after it into an interpreted
