@@ -35,6 +35,20 @@ def data_cache(tmp_path_factory) -> Path:
     return path
 
 
+def once_per_session(tmp_path_factory, name: str, produce) -> Path:
+    """The file `name` that produce(path) writes, made once per session however many pytest-xdist workers ask (the
+    first under a file lock, the others wait and read it): for a module fixture whose tests are spread over the
+    workers and that would otherwise run its long subprocess in each (tests/test_fla_interpret.py)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    path = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    with FileLock(f"{path}.lock"):
+        if not path.exists():
+            produce(path)
+    return path
+
+
 def free_port() -> int:
     """A TCP port nothing listens on now: each distributed launch gets its own, so that launches of
     tests running side by side (pytest-xdist) do not meet on one rendezvous port."""

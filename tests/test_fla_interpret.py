@@ -23,7 +23,7 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, once_per_session
 from fla_interpret_worker import CASES
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(
@@ -38,12 +38,12 @@ THROUGH_LOG_ABS = ("ddt", "dA", "ddt_bias")
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    out = tmp_path_factory.mktemp("fla_interpret") / "results.pt"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "tests.fla_interpret_worker", str(out)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return torch.load(out)
+    def produce(out):  # once per session: the cases are spread over the pytest-xdist workers
+        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([sys.executable, "-m", "tests.fla_interpret_worker", str(out)], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return torch.load(once_per_session(tmp_path_factory, "fla_interpret.pt", produce))
 
 
 @pytest.mark.parametrize("case", list(CASES))
