@@ -8,8 +8,8 @@ writings of the same recurrence agreeing says our oracles (and so our kernels' t
 layouts, where the decay and the erase gate apply, the step order within a token.
 
 fla's references run in float32, ours in float64, in a subprocess (tests/fla_naive_worker.py): importing fla
-registers its models with transformers and imports Triton, which none of the other tests may see. This process
-never imports triton or fla.
+registers its models with transformers and decorates its Triton kernels, which none of the other tests may see.
+This process never imports fla.
 """
 import importlib.util
 import os
