@@ -42,7 +42,8 @@ def test_chunk_matches_recurrence(with_state, chunk_size, decay, max_beta):
     assert h is None
 
 
-@pytest.mark.parametrize("C, block", [(16, 16), (16, 4), (12, 8), (7, 16)])  # one sub-block, four, three (4 | 12), 7
+# one sub-block, four, three (4 | 12), 7, the CPU default's four of 8, and 37 of one token (no pair inside one)
+@pytest.mark.parametrize("C, block", [(16, 16), (16, 4), (12, 8), (7, 16), (32, 8), (37, 8)])
 def test_decayed_products_match_the_direct_sum(C, block, monkeypatch):
     """The per-channel intra-chunk products, P_ij = sum_d a_id b_jd exp(G_id - G_jd) (i >= j), and their gradients,
     against the direct sum over channels; with a decay strong enough that exp(-G) would overflow in float64."""

@@ -265,21 +265,92 @@ def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torc
     cumulative log decay (non-increasing in i). With only non-positive exponents: the chunk is cut into sub-blocks
     of `block` tokens; a pair in different sub-blocks factors through r, the first token of i's sub-block
     (j < r <= i), as (a_i exp(G_i - G_r)) . (b_j exp(G_r - G_j)), a matmul; a pair inside one sub-block takes
-    exp(G_i - G_j) per channel (block^2 d_k numbers per sub-block). block: sub_block(C)."""
-    C, K = G.shape[-2:]
-    c = sub_block(C)
-    nb = C // c
-    Gb = G.unflatten(-2, (nb, c))
-    ref = Gb[..., :1, :]  # [..., nb, 1, K]
-    a_ref = a.unflatten(-2, (nb, c)) * (Gb - ref).exp()
-    earlier = torch.arange(C, device=G.device) < torch.arange(0, C, c, device=G.device)[:, None]  # [nb, C]: j < r
-    b_ref = b[..., None, :, :] * (ref - G[..., None, :, :]).masked_fill(~earlier[..., None], float("-inf")).exp()
-    out = a_ref @ b_ref.transpose(-1, -2)  # [..., nb, c, C]: the pairs across sub-blocks
-    above = torch.ones(c, c, dtype=torch.bool, device=G.device).triu(1)[..., None]
-    gamma = (Gb[..., :, None, :] - Gb[..., None, :, :]).masked_fill(above, float("-inf")).exp()  # [..., nb, c, c, K]
-    within = torch.einsum("...id,...ijd,...jd->...ij", a.unflatten(-2, (nb, c)), gamma, b.unflatten(-2, (nb, c)))
-    out.unflatten(-1, (nb, c)).diagonal(dim1=-4, dim2=-2).add_(within.movedim(-3, -1))
-    return out.flatten(-3, -2)
+    exp(G_i - G_j) per channel (block (block - 1) / 2 d_k numbers per sub-block, the diagonal's being 1).
+    block: sub_block(C). Differentiated by _DecayedProducts's own backward, by the same split."""
+    return _DecayedProducts.apply(a, b, G)
+
+
+def _in_sub_blocks(x: torch.Tensor, c: int) -> list[torch.Tensor]:
+    """Views of x [M, C, C] at its pairs inside one sub-block of c tokens (C = nb c), by offset: [M, nb, c - o] at
+    (i, i - o), i and i - o in the same sub-block, for o = 0 .. c - 1."""
+    M, C = x.shape[0], x.shape[-1]
+    blocks = x.view(M, C // c, c, C // c, c).diagonal(dim1=1, dim2=3)  # [M, c, c, nb]: the sub-blocks on the diagonal
+    return [blocks.diagonal(-o, dim1=1, dim2=2) for o in range(c)]
+
+
+class _DecayedProducts(torch.autograd.Function):
+    """_decayed_products with a hand-written backward. The forward computes only the pairs it keeps: sub-block n's
+    rows against the n c columns before it (one bmm each, b's factors exp(G_r - G_j) for j < r only), and the pairs
+    inside a sub-block by offset o = i - j, gamma_o = exp(G_i - G_{i-o}) packed for o > 0 (the diagonal's is 1),
+    never the masked rest of the grid. The backward, of the lower triangle of dP only:
+    da_i = sum_j dP_ij b_j exp(G_i - G_j), db_j = sum_i dP_ij a_i exp(G_i - G_j) by the same split (the same
+    factors, saved: bmm across sub-blocks, gamma inside them), and dG = a da - b db (G_i enters with +, G_j with -);
+    no exponent is positive in either direction."""
+
+    @staticmethod
+    def forward(ctx, a, b, G):
+        shape = G.shape
+        C, K = shape[-2:]
+        c = sub_block(C)
+        nb = C // c
+        a, b, G = (x.reshape(-1, nb, c, K) for x in (a, b, G))  # contiguous (the chunked views are not)
+        M = G.shape[0]
+        out = G.new_zeros(M, C, C)
+        # across sub-blocks: the rows of sub-block n (r = n c, its first token) against every j < r, through r
+        ref = G[:, :, :1]
+        ea = torch.sub(G, ref).exp_()
+        a_ref = a * ea
+        b_flat, G_flat = b.view(M, C, K), G.view(M, C, K)
+        cross = []
+        for n in range(1, nb):
+            eb = torch.sub(ref[:, n], G_flat[:, :n * c]).exp_()
+            b_ref = eb * b_flat[:, :n * c]
+            # a fresh product, then copied: baddbmm_ into the strided view would loop matrix by matrix
+            out[:, n * c:(n + 1) * c, :n * c] = torch.bmm(a_ref[:, n], b_ref.transpose(1, 2))
+            cross += [eb, b_ref]
+        # inside a sub-block, offset o > 0: gamma [M, nb, sum_o (c - o), K], offset o at rows starts[o]:starts[o + 1]
+        starts = _offset_starts(c)
+        gamma = G.new_empty(M, nb, starts[-1], K)
+        for o in range(1, c):
+            torch.sub(G[:, :, o:], G[:, :, :c - o], out=gamma[:, :, starts[o]:starts[o + 1]])
+        gamma.exp_()
+        pairs = _in_sub_blocks(out, c)
+        tmp = a * b
+        pairs[0].copy_(tmp.sum(-1))
+        for o in range(1, c):  # one sub-block's worth of a_i b_j gamma_ij at a time (tmp stays in cache)
+            t = torch.mul(a[:, :, o:], b[:, :, :c - o], out=tmp[:, :, :c - o])
+            pairs[o].copy_(t.mul_(gamma[:, :, starts[o]:starts[o + 1]]).sum(-1))
+        ctx.save_for_backward(a, b, ea, a_ref, gamma, *cross)
+        ctx.shape = shape
+        return out.view(shape[:-1] + (C,))
+
+    @staticmethod
+    def backward(ctx, dP):
+        a, b, ea, a_ref, gamma, *cross = ctx.saved_tensors
+        M, nb, c, K = a.shape
+        C = nb * c
+        dP = dP.reshape(M, C, C).contiguous()  # a sum's gradient comes expanded (stride 0): bmm would loop over it
+        starts = _offset_starts(c)
+        pairs = _in_sub_blocks(dP, c)
+        da, db = b * pairs[0][..., None], a * pairs[0][..., None]
+        tmp = torch.empty_like(a)
+        for o in range(1, c):
+            x = torch.mul(gamma[:, :, starts[o]:starts[o + 1]], pairs[o][..., None], out=tmp[:, :, :c - o])
+            da[:, :, o:].addcmul_(x, b[:, :, :c - o])
+            db[:, :, :c - o].addcmul_(x, a[:, :, o:])
+        db_flat = db.view(M, C, K)
+        for n in range(1, nb):
+            eb, b_ref = cross[2 * n - 2:2 * n]
+            dPn = dP[:, n * c:(n + 1) * c, :n * c]
+            da[:, n].addcmul_(torch.bmm(dPn, b_ref), ea[:, n])
+            db_flat[:, :n * c].addcmul_(torch.bmm(dPn.transpose(1, 2), a_ref[:, n]), eb)
+        dG = torch.mul(a, da).addcmul_(b, db, value=-1)
+        return tuple(x.view(ctx.shape) for x in (da, db, dG))
+
+
+def _offset_starts(c: int) -> list[int]:
+    """Where offset o (1 <= o < c) starts in _DecayedProducts's packed gamma, o = c the end; [0] at o = 0 (unused)."""
+    return [0] + [(o - 1) * c - (o - 1) * o // 2 for o in range(1, c + 1)]
 
 
 def _differentiable_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
