@@ -24,7 +24,7 @@ def document_positions(B: int, T: int) -> torch.Tensor:
 def check_flex(stage: Stage) -> None:
     """`attend` with document segments on CUDA (FlexAttention with the BlockMask) against SDPA with the
     boolean same-document causal mask, fp32 and bf16, outputs and q, k, v gradients, GQA 12 / 4 heads."""
-    from model.layers import DocumentSegments
+    from model.segments import DocumentSegments
     from model.mixers.softmax import attend
 
     B, H, Hkv, T, D = 2, 12, 4, 600, 64

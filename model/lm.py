@@ -14,7 +14,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from model.config import LMConfig
 from model.ffn import FFNS
-from model.layers import AuxCollector, DocumentSegments, KVBuffer, RMSNorm, at_least_fp32
+from model.layers import AuxCollector, KVBuffer, RMSNorm, at_least_fp32
+from model.segments import DocumentSegments
 from model.mixers import MIXERS
 
 

@@ -25,7 +25,8 @@ import torch
 from conftest import ROOT, ddp_launcher, run_train, train_here
 from cp_worker import FSDP, WHOLE_ROWS, cases
 from model import DecoderLM, LMConfig
-from model.layers import DocumentSegments, ShortConv
+from model.layers import ShortConv
+from model.segments import DocumentSegments
 from model.registry import MIXERS
 from training.context_parallel import check_context_parallel
 from training.metrics import read_metrics

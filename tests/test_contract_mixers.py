@@ -171,7 +171,8 @@ def test_init_reaches_every_parameter(layers):
 def test_the_output_leaves_through_the_named_projection(name):
     """`output_projection` names an nn.Linear of the mixer whose input c (recorded by a hook: the core that
     linearize.transfer_target=mixer_core fits) gives the mixer's output exactly as W c, on packed documents."""
-    from model.layers import AuxCollector, DocumentSegments
+    from model.layers import AuxCollector
+    from model.segments import DocumentSegments
     from training.objectives.linearize import mixer_cores
 
     mixer = lm([name]).layers[0].mixer

@@ -10,7 +10,7 @@ from test_ssd import make_inputs as ssd_inputs
 
 from model.registry import MIXERS
 from model import DecoderLM, LMConfig
-from model.layers import DocumentSegments
+from model.segments import DocumentSegments
 from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
                                    naive_derived_gated_delta, naive_gated_delta)
 from model.ops.linear_attention import chunk_linear_attn, naive_linear_attn

@@ -99,7 +99,7 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
     """A model=125m layer of each fla mixer, run forward on CPU with documents, calls the op with the head
     counts and widths of the kernel cases (so the configs stage kernels autotunes are those training uses)."""
     from model import MIXERS
-    from model.layers import DocumentSegments
+    from model.segments import DocumentSegments
     import model.mixers.deltaproduct as deltaproduct_mixer
     import model.mixers.gdn as gdn_mixer
     import model.mixers.linear as linear_mixer

@@ -437,7 +437,7 @@ def test_a_teacher_of_another_shape_or_nothing_to_transfer_is_one_line(tmp_path)
 def test_vala_with_document_segments_equals_vala_on_each_document():
     """studies/linearize_error.py's VaLA core under a packed batch's segment mask: each document's outputs are those
     of VaLA run on that document alone (its means and t restart at the document's first token)."""
-    from model.layers import DocumentSegments
+    from model.segments import DocumentSegments
     from studies.linearize_error import vala_attention
 
     g = torch.Generator().manual_seed(0)

@@ -7,7 +7,7 @@
 `cache` is a dict the layer owns across decoding calls: the model sets `cache["offset"]` (tokens
 already processed) before each call and the mixer keeps whatever continuation needs in it (KV for
 softmax/DSA; conv + recurrent state for the linear mixers). `aux` receives optional losses/metrics.
-`segments` (model/layers.py, document masking of a packed training batch, never with a cache): each
+`segments` (model/segments.py, document masking of a packed training batch, never with a cache): each
 token must see only its own document segment.
 Options: a mixer that has any declares them as a dataclass in its file (`Options`, fields from
 model/options.py `option`) and reads them with `config.options_for_mixer(name, Options)`, which checks

@@ -29,7 +29,8 @@ import torch
 import torch.nn as nn
 from transformers import initialization as init
 
-from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding, continued_positions
+from model.layers import KVBuffer, RotaryEmbedding
+from model.segments import DocumentSegments, continued_positions
 from model.mixers.softmax import SoftmaxAttention, attend
 from model.ops.lightning_indexer import index_scores, index_scores_at, index_topk
 from model.ops.sparse_attention import Selection, dense_attention_probs, selected_attention

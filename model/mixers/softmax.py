@@ -23,7 +23,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from transformers import initialization as init
 
-from model.layers import DocumentSegments, KVBuffer, RotaryEmbedding, continued_positions, residual_scale
+from model.layers import KVBuffer, RotaryEmbedding, residual_scale
+from model.segments import DocumentSegments, continued_positions
 from model.ops.attention_cp import causal_attention_after
 from model.registry import MIXERS
 
