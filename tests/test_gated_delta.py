@@ -4,6 +4,7 @@ import torch
 import torch.nn.functional as F
 
 import model.ops.gated_delta.chunk as gated_delta
+from model.ops.gated_delta.decayed_products import _decayed_products
 from conftest import assert_bf16_rounding_of
 from model.ops.gated_delta import (chunk_gated_delta_rule, derived_gated_delta_rule, fused_recurrent_gated_delta_rule,
                                    naive_derived_gated_delta, naive_gated_delta)
@@ -53,7 +54,7 @@ def test_decayed_products_match_the_direct_sum(C, block, monkeypatch):
     g = F.logsigmoid(torch.randn(2, 3, C, 5, generator=gen, dtype=f64))
     g[..., 0] = -200.0  # G reaches -200 C: exp(G_r - G_j) with r > j is 0, never exp(+200 C)
     G = g.cumsum(-2).requires_grad_()
-    got = gated_delta._decayed_products(a, b, G)
+    got = _decayed_products(a, b, G, gated_delta.sub_block(C))
     lower = torch.ones(C, C, dtype=torch.bool).tril()
     gamma = torch.where(lower[..., None], G[..., :, None, :] - G[..., None, :, :], float("-inf")).exp()
     want = (a[..., :, None, :] * gamma * b[..., None, :, :]).sum(-1)

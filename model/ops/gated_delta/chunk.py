@@ -1,13 +1,13 @@
 """The delta rule's chunked (WY) form, for training and prefill (the rule and its layouts: model/ops/gated_delta)."""
 import torch
-import torch.nn.functional as F
 
+from model.ops.gated_delta.decayed_products import products_backward, products_forward
 from model.ops.kernels import accumulation_dtype, kernel_runs, optional_kernel, own_precision
 from model.ops.varlen import ChunkLayout, check_packed
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
-SUB_BLOCK = 8  # a per-channel decay's exact pairs (_decayed_products): sub-blocks of up to this many tokens
+SUB_BLOCK = 8  # a per-channel decay's exact pairs (decayed_products.py): sub-blocks of up to this many tokens
 # fla's kernels (module, function) per decay form. DeltaNet's chunked form runs fla's GDN kernel with g = 0:
 # fla's chunk_delta_rule refuses float32 inputs (an assert), which fp32 runs and the checks hand it.
 CHUNK_KERNELS = {"none": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
@@ -63,8 +63,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
         S_{n+1} = exp(G_C) S_n + kd^T (u - w S_n),   kd = k exp(G_C - G)   (state h, [K, V])
         o = scale [(q exp(G)) S_n + tril(Gamma o Q K^T) (u - w S_n)]
     Every exponent is <= 0. All chunks' intra-chunk work is batched; only the state recursion S_n -> S_{n+1}
-    loops. A scalar decay per head (or none: g = 0) runs _ChunkedGatedDelta with its hand-written backward;
-    a per-channel decay or per-channel gates run _chunked_per_channel, differentiated by autograd. The default C = 32 is the
+    loops. A scalar decay per head (or none: g = 0) runs _ChunkedGatedDelta, a per-channel decay or per-channel
+    gates _ChunkedPerChannel, each with its hand-written backward. The default C = 32 is the
     fastest on CPU for the scalar decay (fla's GPU kernel uses 64). With cu_seqlens every sequence is laid
     out on whole chunks (ChunkLayout) and the state entering a sequence's first chunk is dropped (e^G zeroed
     there).
@@ -85,7 +85,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     scale = K ** -0.5 if scale is None else scale
     C = min(chunk_size, T)
     if form in ("per_channel", "channel_gates"):
-        core, inputs = _chunked_per_channel, (q, k, v, *per_channel_gates(k, v, g, beta, write))
+        core, inputs = _ChunkedPerChannel.apply, (q, k, v, *per_channel_gates(k, v, g, beta, write))
     else:
         core, inputs = _ChunkedGatedDelta.apply, (q, k, v, q.new_zeros(B, T, H) if g is None else g, beta)
     if cu_seqlens is None:
@@ -223,143 +223,91 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, dbeta)), dS0, None, None, None, None)
 
 
-def _chunked_per_channel(q, k, v, g, erase, write, S0, scale, C, resets, ends):
-    """_ChunkedGatedDelta's forward for a decay per key channel, g [B, T, H, K], and gates per channel, erase
-    [B, T, H, K or 1] and write [B, T, H, V or 1] (per_channel_gates; otherwise the same arguments and returns), in
-    differentiable ops: autograd gives the backward. Gamma_ijd = exp(G_id - G_jd) is built per channel for
-    i >= j only, by sub-blocks (_decayed_products), so no exponent is positive however strong the decay."""
-    T = k.shape[1]
-    q, k, v, G, erase, write = (_differentiable_chunks(x, C) for x in (q, k, v, g, erase, write))  # [N, B, H, C, *]
-    G = G.cumsum(-2)
-    N, B, H, _, K = k.shape
-    V = v.shape[-1]
-    eG, ed = G.exp(), (G[..., -1:, :] - G).exp()
-    if resets is not None:
-        eG = eG.masked_fill(resets.view(N, 1, 1, 1, 1), 0.0)
-    kb = k * erase
-    akk = _decayed_products(kb, k, G).tril(-1)
-    aqk = _decayed_products(q, k, G)
-    eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
-    inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)
-    u, w = inv @ (v * write), inv @ (kb * eG)
-    kd, decay = (k * ed).transpose(-1, -2), eG[..., -1, :, None].reshape(N, B * H, K, 1)
-    # only the state recursion loops, over [B H]-batched matrices, each operand split once (indexing a tensor per
-    # chunk would give its backward one full-size zero fill per chunk); the outputs are batched after it
-    states, vnews = [S0], []
-    for u_n, w_n, kd_n, decay_n in zip(u.unbind(0), w.unbind(0), kd.unbind(0), decay.unbind(0)):
-        vnews.append(u_n - w_n @ states[-1].view(B, H, K, V))
-        states.append(states[-1] * decay_n + (kd_n @ vnews[-1]).view(B * H, K, V))
-    entering = torch.stack(states[:-1]).view(N, B, H, K, V)
-    o = ((q * eG) @ entering + aqk @ torch.stack(vnews)) * scale
-    final = states[-1] if ends is None else torch.stack(states)[ends]
-    return o.permute(1, 0, 3, 2, 4).reshape(B, N * C, H, V)[:, :T], final
+class _ChunkedPerChannel(torch.autograd.Function):
+    """_ChunkedGatedDelta for a decay per key channel, g [B, T, H, K], and gates per channel, erase [B, T, H, K or 1]
+    and write [B, T, H, V or 1] (per_channel_gates; otherwise the same arguments, returns and resets / ends), its
+    backward by hand the same way. Gamma_ijd = exp(G_id - G_jd) is contracted inside the products
+    akk = P(b o k, k), aqk = P(q, k) (decayed_products.products_forward, both at once, by sub-blocks of
+    sub_block(C) tokens), so no exponent is positive however strong the decay; e^{G_C} scales the state's rows."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, erase, write, S0, scale, C, resets, ends):
+        T = k.shape[1]
+        q, k, v, G, erase, write = (_to_chunks(x, C) for x in (q, k, v, g, erase, write))  # [N, B, H, C, *]
+        G = G.cumsum_(-2)
+        N, B, H, _, K = k.shape
+        V = v.shape[-1]
+        eG, ed = G.exp(), (G[..., -1:, :] - G).exp_()
+        if resets is not None:
+            eG.masked_fill_(resets.view(N, 1, 1, 1, 1), 0.0)
+        kb = k * erase
+        kg, qg, kd = kb * eG, q * eG, k * ed
+        (akk, aqk), products = products_forward((kb, q), k, G, sub_block(C))
+        eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
+        inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)  # strict lower read
+        u, w = inv @ (v * write), inv @ kg
+        u3, w3, kd3 = u.view(N, B * H, C, V), w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
+        decay = eG[..., -1, :].reshape(N, B * H, K, 1)
+        S_prev, vnew = q.new_empty(N + 1, B * H, K, V), torch.empty_like(u3)
+        S_prev[0] = S0
+        for n in range(N):
+            torch.baddbmm(u3[n], w3[n], S_prev[n], alpha=-1, out=vnew[n])
+            torch.baddbmm(S_prev[n] * decay[n], kd3[n].transpose(-1, -2), vnew[n], out=S_prev[n + 1])
+        S = S_prev[N].clone() if ends is None else S_prev[ends]
+        S_prev, vnew = S_prev[:N].view(N, B, H, K, V), vnew.view(N, B, H, C, V)
+        o = (qg @ S_prev).view(N * B * H, C, V).baddbmm_(aqk.reshape(-1, C, C), vnew.view(-1, C, V))
+        ctx.save_for_backward(q, k, v, erase, write, eG, ed, kb, kg, qg, kd, aqk, inv, u, w, S_prev, vnew, *products)
+        ctx.scale, ctx.T, ctx.ends = scale, T, ends
+        return _from_chunks(o.view(N, B, H, C, V), T, scale), S
+
+    @staticmethod
+    def backward(ctx, do, dS_last):
+        q, k, v, erase, write, eG, ed, kb, kg, qg, kd, aqk, inv, u, w, S_prev, vnew, *products = ctx.saved_tensors
+        N, B, H, C, K = k.shape
+        V = v.shape[-1]
+        do = _to_chunks(do, C, ctx.scale)  # the gradient of the unscaled o
+        d_aqk = do @ vnew.transpose(-1, -2)
+        d_vnew = (aqk.transpose(-1, -2) @ do).view(N, B * H, C, V)
+        dS_out = (qg.transpose(-1, -2) @ do).view(N, B * H, K, V)
+        decay = eG[..., -1, :].reshape(N, B * H, K, 1)
+        w3, kd3 = w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
+        d_next, du = q.new_empty(N + 1, B * H, K, V), torch.empty_like(d_vnew)
+        d_next[N] = dS_last if ctx.ends is None else dS_last[-1]
+        if ctx.ends is not None:
+            dS_out.index_add_(0, ctx.ends[:-1], dS_last[:-1])
+        for n in range(N - 1, -1, -1):
+            torch.baddbmm(d_vnew[n], kd3[n], d_next[n + 1], out=du[n])
+            torch.baddbmm(dS_out[n].addcmul_(d_next[n + 1], decay[n]), w3[n].transpose(-1, -2), du[n],
+                          alpha=-1, out=d_next[n])
+        dS0, d_next = d_next[0], d_next[1:].view(N, B, H, K, V)
+        du = du.view(N, B, H, C, V)
+        dw_neg = du @ S_prev.transpose(-1, -2)
+        d_kd = vnew @ d_next.transpose(-1, -2)
+        d_vw, d_kg_neg = inv.transpose(-1, -2) @ du, inv.transpose(-1, -2) @ dw_neg
+        dA = (d_kg_neg @ w.transpose(-1, -2)).view(-1, C, C).baddbmm_(
+            d_vw.view(-1, C, V), u.view(-1, C, V).transpose(-1, -2), alpha=-1).view(N, B, H, C, C).tril_(-1)
+        (d_kb, dq), dk, dG = products_backward(products, (dA, d_aqk))
+        d_kb, dq, dk, dG = (x.view(N, B, H, C, K) for x in (d_kb, dq, dk, dG))
+        d_kb.addcmul_(d_kg_neg, eG, value=-1)  # kg = kb e^G
+        d_qg = do @ S_prev.transpose(-1, -2)
+        dq.addcmul_(d_qg, eG)
+        d_erase, d_write = d_kb * k, d_vw * v
+        dk.addcmul_(d_kb, erase).addcmul_(d_kd, ed)
+        dv = d_vw.mul_(write)
+        d_ed = d_kd.mul_(kd)  # d(G_C - G)
+        dG.addcmul_(d_qg, qg).addcmul_(d_kg_neg, kg, value=-1).sub_(d_ed)
+        dG[..., -1, :] += d_ed.sum(-2) + (d_next * S_prev).sum(-1) * eG[..., -1, :]
+        dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g)
+        # a gate of one channel (KDA's beta) gets its channels' sum
+        d_erase, d_write = (d if x.shape[-1] == d.shape[-1] else d.sum(-1, keepdim=True)
+                            for x, d in ((erase, d_erase), (write, d_write)))
+        T = ctx.T
+        return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, d_erase, d_write)), dS0, None, None, None, None)
 
 
 def sub_block(C: int) -> int:
-    """The sub-block of a chunk of C tokens in _decayed_products: the largest divisor of C up to SUB_BLOCK."""
+    """The sub-block of a chunk of C tokens in the per-channel products: the largest divisor of C up to SUB_BLOCK."""
     return next(c for c in range(min(SUB_BLOCK, C), 0, -1) if C % c == 0)
-
-
-def _decayed_products(a: torch.Tensor, b: torch.Tensor, G: torch.Tensor) -> torch.Tensor:
-    """P_ij = sum_d a_id b_jd exp(G_id - G_jd) for i >= j, 0 above the diagonal; a, b, G [..., C, d_k], G the
-    cumulative log decay (non-increasing in i). With only non-positive exponents: the chunk is cut into sub-blocks
-    of `block` tokens; a pair in different sub-blocks factors through r, the first token of i's sub-block
-    (j < r <= i), as (a_i exp(G_i - G_r)) . (b_j exp(G_r - G_j)), a matmul; a pair inside one sub-block takes
-    exp(G_i - G_j) per channel (block (block - 1) / 2 d_k numbers per sub-block, the diagonal's being 1).
-    block: sub_block(C). Differentiated by _DecayedProducts's own backward, by the same split."""
-    return _DecayedProducts.apply(a, b, G)
-
-
-def _in_sub_blocks(x: torch.Tensor, c: int) -> list[torch.Tensor]:
-    """Views of x [M, C, C] at its pairs inside one sub-block of c tokens (C = nb c), by offset: [M, nb, c - o] at
-    (i, i - o), i and i - o in the same sub-block, for o = 0 .. c - 1."""
-    M, C = x.shape[0], x.shape[-1]
-    blocks = x.view(M, C // c, c, C // c, c).diagonal(dim1=1, dim2=3)  # [M, c, c, nb]: the sub-blocks on the diagonal
-    return [blocks.diagonal(-o, dim1=1, dim2=2) for o in range(c)]
-
-
-class _DecayedProducts(torch.autograd.Function):
-    """_decayed_products with a hand-written backward. The forward computes only the pairs it keeps: sub-block n's
-    rows against the n c columns before it (one bmm each, b's factors exp(G_r - G_j) for j < r only), and the pairs
-    inside a sub-block by offset o = i - j, gamma_o = exp(G_i - G_{i-o}) packed for o > 0 (the diagonal's is 1),
-    never the masked rest of the grid. The backward, of the lower triangle of dP only:
-    da_i = sum_j dP_ij b_j exp(G_i - G_j), db_j = sum_i dP_ij a_i exp(G_i - G_j) by the same split (the same
-    factors, saved: bmm across sub-blocks, gamma inside them), and dG = a da - b db (G_i enters with +, G_j with -);
-    no exponent is positive in either direction."""
-
-    @staticmethod
-    def forward(ctx, a, b, G):
-        shape = G.shape
-        C, K = shape[-2:]
-        c = sub_block(C)
-        nb = C // c
-        a, b, G = (x.reshape(-1, nb, c, K) for x in (a, b, G))  # contiguous (the chunked views are not)
-        M = G.shape[0]
-        out = G.new_zeros(M, C, C)
-        # across sub-blocks: the rows of sub-block n (r = n c, its first token) against every j < r, through r
-        ref = G[:, :, :1]
-        ea = torch.sub(G, ref).exp_()
-        a_ref = a * ea
-        b_flat, G_flat = b.view(M, C, K), G.view(M, C, K)
-        cross = []
-        for n in range(1, nb):
-            eb = torch.sub(ref[:, n], G_flat[:, :n * c]).exp_()
-            b_ref = eb * b_flat[:, :n * c]
-            # a fresh product, then copied: baddbmm_ into the strided view would loop matrix by matrix
-            out[:, n * c:(n + 1) * c, :n * c] = torch.bmm(a_ref[:, n], b_ref.transpose(1, 2))
-            cross += [eb, b_ref]
-        # inside a sub-block, offset o > 0: gamma [M, nb, sum_o (c - o), K], offset o at rows starts[o]:starts[o + 1]
-        starts = _offset_starts(c)
-        gamma = G.new_empty(M, nb, starts[-1], K)
-        for o in range(1, c):
-            torch.sub(G[:, :, o:], G[:, :, :c - o], out=gamma[:, :, starts[o]:starts[o + 1]])
-        gamma.exp_()
-        pairs = _in_sub_blocks(out, c)
-        tmp = a * b
-        pairs[0].copy_(tmp.sum(-1))
-        for o in range(1, c):  # one sub-block's worth of a_i b_j gamma_ij at a time (tmp stays in cache)
-            t = torch.mul(a[:, :, o:], b[:, :, :c - o], out=tmp[:, :, :c - o])
-            pairs[o].copy_(t.mul_(gamma[:, :, starts[o]:starts[o + 1]]).sum(-1))
-        ctx.save_for_backward(a, b, ea, a_ref, gamma, *cross)
-        ctx.shape = shape
-        return out.view(shape[:-1] + (C,))
-
-    @staticmethod
-    def backward(ctx, dP):
-        a, b, ea, a_ref, gamma, *cross = ctx.saved_tensors
-        M, nb, c, K = a.shape
-        C = nb * c
-        dP = dP.reshape(M, C, C).contiguous()  # a sum's gradient comes expanded (stride 0): bmm would loop over it
-        starts = _offset_starts(c)
-        pairs = _in_sub_blocks(dP, c)
-        da, db = b * pairs[0][..., None], a * pairs[0][..., None]
-        tmp = torch.empty_like(a)
-        for o in range(1, c):
-            x = torch.mul(gamma[:, :, starts[o]:starts[o + 1]], pairs[o][..., None], out=tmp[:, :, :c - o])
-            da[:, :, o:].addcmul_(x, b[:, :, :c - o])
-            db[:, :, :c - o].addcmul_(x, a[:, :, o:])
-        db_flat = db.view(M, C, K)
-        for n in range(1, nb):
-            eb, b_ref = cross[2 * n - 2:2 * n]
-            dPn = dP[:, n * c:(n + 1) * c, :n * c]
-            da[:, n].addcmul_(torch.bmm(dPn, b_ref), ea[:, n])
-            db_flat[:, :n * c].addcmul_(torch.bmm(dPn.transpose(1, 2), a_ref[:, n]), eb)
-        dG = torch.mul(a, da).addcmul_(b, db, value=-1)
-        return tuple(x.view(ctx.shape) for x in (da, db, dG))
-
-
-def _offset_starts(c: int) -> list[int]:
-    """Where offset o (1 <= o < c) starts in _DecayedProducts's packed gamma, o = c the end; [0] at o = 0 (unused)."""
-    return [0] + [(o - 1) * c - (o - 1) * o // 2 for o in range(1, c + 1)]
-
-
-def _differentiable_chunks(x: torch.Tensor, C: int) -> torch.Tensor:
-    """[B, T, H, *] -> [N, B, H, C, *] zero-padded to N C tokens, in ops autograd differentiates (_to_chunks
-    writes into a buffer)."""
-    T = x.shape[1]
-    pad = -T % C
-    x = F.pad(x, (0, 0) * (x.dim() - 2) + (0, pad)) if pad else x
-    return x.unflatten(1, (-1, C)).permute(1, 0, 3, 2, *range(4, x.dim() + 1))
 
 
 FLA_CHUNK_SIZE = 64  # the chunk of fla's chunk_gated_delta_rule and chunk_kda (their default; our calls pass none)
@@ -379,7 +327,7 @@ def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chun
     unit-lower-triangular solve against the identity (C (C - 1) / 2 multiply-adds per column, C columns);
     [u | w] = inv [beta v | beta k e^G] (C^2 (V + K)); w S and kd^T vnew in the state recursion and q S (C K V
     each); the intra-chunk (Gamma o q k^T) vnew (C^2 V). A decay per key channel (per_channel) computes k k^T and
-    q k^T as _decayed_products does: besides the C^2 K matmul across sub-blocks, each pair within a sub-block of c
+    q k^T as decayed_products.py does: besides the C^2 K matmul across sub-blocks, each pair within a sub-block of c
     tokens weighs its K terms by their own decays (C c K each)."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
     chunks = -(-seq_len // C)
