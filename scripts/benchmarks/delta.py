@@ -4,8 +4,8 @@ Op: model/ops/gated_delta on CPU float32 at B 1, T 2048, H 4, K = V 64 (T 128 wi
 hand them over (q, k L2-normed; log decays logsigmoid(N(2, 1)); gates sigmoid(N(0, 1))):
   - gdn: chunk_gated_delta_rule, g [B, T, H] (hand-written backward, _ChunkedGatedDelta);
   - deltanet: the same with g None;
-  - kda: g [B, T, H, K], beta [B, T, H] (_chunked_per_channel, autograd backward);
-  - gdn2: g [B, T, H, K], erase beta [B, T, H, K], write [B, T, H, V] (_chunked_per_channel, autograd backward);
+  - kda: g [B, T, H, K], beta [B, T, H] (_ChunkedPerChannel, backward by hand);
+  - gdn2: g [B, T, H, K], erase beta [B, T, H, K], write [B, T, H, V] (_ChunkedPerChannel, backward by hand);
   - deltaproduct n = 2, 3: chunk_gated_delta_product, k, v, beta over T n steps (the rule on the interleaved
     sequence, _ChunkedGatedDelta's backward);
 against softmax: torch SDPA, causal, on the same q, k, v ([B, H, T, D]).

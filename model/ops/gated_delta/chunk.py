@@ -128,6 +128,44 @@ def _from_chunks(x: torch.Tensor, T: int, scale=1.0) -> torch.Tensor:
     return out
 
 
+def _state_recursion(u, w, kd, decay, S0, ends):
+    """The chunks' state recursion, the one loop of the chunked forms: per chunk n, vnew_n = u_n - w_n S_n and
+    S_{n+1} = decay_n S_n + kd_n^T vnew_n, over [B H]-batched matrices. u [N, B, H, C, V], w, kd [N, B, H, C, K],
+    decay [N, B, H, 1 or K, 1] (the chunk's total decay e^{G_C}, per head or per key channel), S0 [B H, K, V].
+    Returns (S_prev [N, B, H, K, V], the state entering each chunk; vnew [N, B, H, C, V]; the final state, or the
+    states at `ends` [len(ends), B H, K, V])."""
+    N, B, H, C, V = u.shape
+    K = w.shape[-1]
+    u3, w3, kd3 = u.view(N, B * H, C, V), w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
+    decay = decay.reshape(N, B * H, -1, 1)
+    S_prev, vnew = u.new_empty(N + 1, B * H, K, V), torch.empty_like(u3)
+    S_prev[0] = S0
+    for n in range(N):
+        torch.baddbmm(u3[n], w3[n], S_prev[n], alpha=-1, out=vnew[n])
+        torch.baddbmm(S_prev[n] * decay[n], kd3[n].transpose(-1, -2), vnew[n], out=S_prev[n + 1])
+    S = S_prev[N].clone() if ends is None else S_prev[ends]
+    return S_prev[:N].view(N, B, H, K, V), vnew.view(N, B, H, C, V), S
+
+
+def _state_recursion_backward(d_vnew, dS_out, dS_last, w, kd, decay, ends):
+    """_state_recursion's backward, in reverse over the chunks, given the gradients that reach vnew [N, B, H, C, V] and
+    S_prev [N, B, H, K, V] from the outputs, and dS_last that of its final state(s): (dS0 [B H, K, V], d_next
+    [N, B, H, K, V] = dL/dS_{n+1}, du [N, B, H, C, V] = the total dL/dvnew_n)."""
+    N, B, H, C, V = d_vnew.shape
+    K = w.shape[-1]
+    d_vnew, dS_out = d_vnew.reshape(N, B * H, C, V), dS_out.reshape(N, B * H, K, V)
+    w3, kd3, decay = w.view(N, B * H, C, K), kd.view(N, B * H, C, K), decay.reshape(N, B * H, -1, 1)
+    d_next, du = d_vnew.new_empty(N + 1, B * H, K, V), torch.empty_like(d_vnew)
+    d_next[N] = dS_last if ends is None else dS_last[-1]  # autograd gives zeros for an unused output
+    if ends is not None:  # the other sequences' final states are chunk-start states
+        dS_out.index_add_(0, ends[:-1], dS_last[:-1])
+    for n in range(N - 1, -1, -1):
+        torch.baddbmm(d_vnew[n], kd3[n], d_next[n + 1], out=du[n])  # total d vnew_n
+        torch.baddbmm(dS_out[n].addcmul_(d_next[n + 1], decay[n]), w3[n].transpose(-1, -2), du[n],
+                      alpha=-1, out=d_next[n])
+    return d_next[0], d_next[1:].view(N, B, H, K, V), du.view(N, B, H, C, V)
+
+
 class _ChunkedGatedDelta(torch.autograd.Function):
     """The chunked gated delta rule: q, k [B, T, H, K], v [B, T, H, V], g, beta [B, T, H], S0 [B H, K, V],
     scale, chunk size C, resets, ends -> o [B, T, H, V], S_N. Inside, everything is in chunks [N, B, H, C, *] (padded
@@ -160,16 +198,7 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
         inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)  # strict lower read
         u, w = inv @ (v * beta[..., None]), inv @ kg
-        # the state recursion, over [B H]-batched matrices; S_prev[n] is the state entering chunk n
-        u3, w3, kd3 = u.view(N, B * H, C, V), w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
-        decay = eG[..., -1].reshape(N, B * H, 1, 1)
-        S_prev, vnew = q.new_empty(N + 1, B * H, K, V), torch.empty_like(u3)
-        S_prev[0] = S0
-        for n in range(N):
-            torch.baddbmm(u3[n], w3[n], S_prev[n], alpha=-1, out=vnew[n])
-            torch.baddbmm(S_prev[n] * decay[n], kd3[n].transpose(-1, -2), vnew[n], out=S_prev[n + 1])
-        S = S_prev[N].clone() if ends is None else S_prev[ends]
-        S_prev, vnew = S_prev[:N].view(N, B, H, K, V), vnew.view(N, B, H, C, V)
+        S_prev, vnew, S = _state_recursion(u, w, kd, eG[..., -1, None, None], S0, ends)
         o = (qg @ S_prev).view(N * B * H, C, V).baddbmm_(aqk.view(-1, C, C), vnew.view(-1, C, V), alpha=1)
         ctx.save_for_backward(q, k, v, eG, ed, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd)
         ctx.scale, ctx.T, ctx.ends = scale, T, ends
@@ -183,21 +212,8 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         do = _to_chunks(do, C, ctx.scale)  # the gradient of the unscaled o
         # o = qg S + aqk vnew
         d_aqk = do @ vnew.transpose(-1, -2)
-        d_vnew = (aqk.transpose(-1, -2) @ do).view(N, B * H, C, V)
-        dS_out = (qg.transpose(-1, -2) @ do).view(N, B * H, K, V)
-        # per chunk, in reverse: vnew = u - w S,  S' = e^{G_C} S + kd^T vnew; d_next[n] = dL/dS_{n+1}
-        decay = eG[..., -1].reshape(N, B * H, 1, 1)
-        w3, kd3 = w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
-        d_next, du = q.new_empty(N + 1, B * H, K, V), torch.empty_like(d_vnew)
-        d_next[N] = dS_last if ctx.ends is None else dS_last[-1]  # autograd gives zeros for an unused output
-        if ctx.ends is not None:  # the other sequences' final states are chunk-start states
-            dS_out.index_add_(0, ctx.ends[:-1], dS_last[:-1])
-        for n in range(N - 1, -1, -1):
-            torch.baddbmm(d_vnew[n], kd3[n], d_next[n + 1], out=du[n])  # total d vnew_n
-            torch.baddbmm(dS_out[n].addcmul_(d_next[n + 1], decay[n]), w3[n].transpose(-1, -2), du[n],
-                          alpha=-1, out=d_next[n])
-        dS0, d_next = d_next[0], d_next[1:].view(N, B, H, K, V)
-        du = du.view(N, B, H, C, V)
+        dS0, d_next, du = _state_recursion_backward(aqk.transpose(-1, -2) @ do, qg.transpose(-1, -2) @ do, dS_last,
+                                                    w, kd, eG[..., -1, None, None], ctx.ends)
         dw_neg = du @ S_prev.transpose(-1, -2)  # -dL/dw
         d_kd = vnew @ d_next.transpose(-1, -2)
         # u = inv vb, w = inv kg
@@ -246,15 +262,7 @@ class _ChunkedPerChannel(torch.autograd.Function):
         eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
         inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)  # strict lower read
         u, w = inv @ (v * write), inv @ kg
-        u3, w3, kd3 = u.view(N, B * H, C, V), w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
-        decay = eG[..., -1, :].reshape(N, B * H, K, 1)
-        S_prev, vnew = q.new_empty(N + 1, B * H, K, V), torch.empty_like(u3)
-        S_prev[0] = S0
-        for n in range(N):
-            torch.baddbmm(u3[n], w3[n], S_prev[n], alpha=-1, out=vnew[n])
-            torch.baddbmm(S_prev[n] * decay[n], kd3[n].transpose(-1, -2), vnew[n], out=S_prev[n + 1])
-        S = S_prev[N].clone() if ends is None else S_prev[ends]
-        S_prev, vnew = S_prev[:N].view(N, B, H, K, V), vnew.view(N, B, H, C, V)
+        S_prev, vnew, S = _state_recursion(u, w, kd, eG[..., -1, :, None], S0, ends)
         o = (qg @ S_prev).view(N * B * H, C, V).baddbmm_(aqk.reshape(-1, C, C), vnew.view(-1, C, V))
         ctx.save_for_backward(q, k, v, erase, write, eG, ed, kb, kg, qg, kd, aqk, inv, u, w, S_prev, vnew, *products)
         ctx.scale, ctx.T, ctx.ends = scale, T, ends
@@ -267,20 +275,8 @@ class _ChunkedPerChannel(torch.autograd.Function):
         V = v.shape[-1]
         do = _to_chunks(do, C, ctx.scale)  # the gradient of the unscaled o
         d_aqk = do @ vnew.transpose(-1, -2)
-        d_vnew = (aqk.transpose(-1, -2) @ do).view(N, B * H, C, V)
-        dS_out = (qg.transpose(-1, -2) @ do).view(N, B * H, K, V)
-        decay = eG[..., -1, :].reshape(N, B * H, K, 1)
-        w3, kd3 = w.view(N, B * H, C, K), kd.view(N, B * H, C, K)
-        d_next, du = q.new_empty(N + 1, B * H, K, V), torch.empty_like(d_vnew)
-        d_next[N] = dS_last if ctx.ends is None else dS_last[-1]
-        if ctx.ends is not None:
-            dS_out.index_add_(0, ctx.ends[:-1], dS_last[:-1])
-        for n in range(N - 1, -1, -1):
-            torch.baddbmm(d_vnew[n], kd3[n], d_next[n + 1], out=du[n])
-            torch.baddbmm(dS_out[n].addcmul_(d_next[n + 1], decay[n]), w3[n].transpose(-1, -2), du[n],
-                          alpha=-1, out=d_next[n])
-        dS0, d_next = d_next[0], d_next[1:].view(N, B, H, K, V)
-        du = du.view(N, B, H, C, V)
+        dS0, d_next, du = _state_recursion_backward(aqk.transpose(-1, -2) @ do, qg.transpose(-1, -2) @ do, dS_last,
+                                                    w, kd, eG[..., -1, :, None], ctx.ends)
         dw_neg = du @ S_prev.transpose(-1, -2)
         d_kd = vnew @ d_next.transpose(-1, -2)
         d_vw, d_kg_neg = inv.transpose(-1, -2) @ du, inv.transpose(-1, -2) @ dw_neg
