@@ -176,7 +176,7 @@ def check_moe(stage: Stage) -> None:
     """MoE at model=125m's widths under bf16 autocast on CUDA runs torch._grouped_mm (the guard admits it),
     and experts_grouped_mm matches the CPU expert loop (float64, same bf16-rounded operands), fwd + bwd."""
     from model.ffn import FFNS
-    from model.ffn.moe import ExpertsLoop, experts_grouped_mm
+    from model.ffn.experts import ExpertsLoop, experts_grouped_mm
 
     def dispatch():
         torch.manual_seed(0)

@@ -11,7 +11,7 @@ import torch
 import model.mixers.dsa as dsa_mixer
 import model.ops.sparse_attention as sa
 from model import DecoderLM, LMConfig
-from model.ffn.moe import experts_grouped_mm, grouped_mm_takes
+from model.ffn.experts import experts_grouped_mm, grouped_mm_takes
 from model.ops import kernels
 from model.ops.gated_delta import chunk_gated_delta_rule
 from model.ops.linear_attention import chunk_linear_attn

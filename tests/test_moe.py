@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from model import DecoderLM, LMConfig
-from model.ffn.moe import MoE, ExpertsLoop, experts_grouped_mm
+from model.ffn.experts import ExpertsLoop, experts_grouped_mm
+from model.ffn.moe import MoE
 from model.layers import AuxCollector
 
 F64 = torch.float64
