@@ -71,9 +71,14 @@ def test_every_mixer_equals_one_process(tmp_path):
     assert not wrong, "\n".join(map(str, wrong))
 
 
+# No discrete choice that float32's rounding, which differs between the layouts, could flip: every token to all 4
+# experts (top_k = num_experts; the experts still split over the ranks, the balance statistics still reduce over the
+# context group) and DSA's top-k over every key of the 256 (attention over all of them). With top-2
+# and DSA's top-16 one routed token and some selected keys flipped within 20 steps, and the curves parted by 2.6e-4.
+# The sparse selection's exactness under CP: test_every_mixer_equals_one_process.
 EVERY_MIXER = [f"model.num_hidden_layers={len(MIXERS.names())}", f"model.mixer=[{','.join(MIXERS.names())}]",
-               "ffn=moe", "ffn.options.num_experts=4", "mixer=dsa", "mixer.options.topk=16", "trainer.max_steps=20",
-               "trainer.eval_every=10", "trainer.ckpt_every=10", "trainer.keep_checkpoints=5"]
+               "ffn=moe", "ffn.options.num_experts=4", "ffn.options.top_k=4", "mixer=dsa", "mixer.options.topk=256",
+               "trainer.max_steps=20", "trainer.eval_every=10", "trainer.ckpt_every=10", "trainer.keep_checkpoints=5"]
 
 
 SPLIT = ["trainer.context_parallel=2", "trainer.expert_parallel=2"]  # each sequence, and each MoE layer's experts
@@ -111,12 +116,13 @@ def test_training_follows_one_process_and_resumes_across_layouts(tmp_path, data_
         for k, v in row.items():
             assert val_rows(two)[step][k] == pytest.approx(v, rel=1e-4, abs=1e-9), (step, k)
     rows = [r for r in read_metrics(two) if "train/loss" in r]
-    assert all(r["cp/bytes"] > 0 and r["cp/bytes_gather"] > 0 and r["cp/bytes_shift"] > 0 and r["cp/bytes_fetch"] > 0
-               for r in rows)
+    # (no fetch: DSA's top-k covers every key here; its fetch is test_every_mixer_equals_one_process's)
+    assert all(r["cp/bytes"] > 0 and r["cp/bytes_gather"] > 0 and r["cp/bytes_shift"] > 0 for r in rows)
     ref_w, got_w = load_file(one / "final" / "model.safetensors"), load_file(two / "final" / "model.safetensors")
     assert ref_w.keys() == got_w.keys()
-    for k in ref_w:
-        torch.testing.assert_close(got_w[k], ref_w[k], rtol=1e-4, atol=1e-5, msg=k)
+    for k in ref_w:  # DSA's indexer learns from a KL of ~1e-4 whose gradients' float32 rounding Adam scales up to its
+        # step size: its weights part by ~1e-4 where the rest agree to 1e-5
+        torch.testing.assert_close(got_w[k], ref_w[k], rtol=1e-4, atol=3e-4 if ".indexer." in k else 1e-5, msg=k)
 
     # CP 2 -> 1 process, and 1 process -> CP 2 on 2, from step 10
     down, up = tmp_path / "down", tmp_path / "up"

@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT
 from evaluation.suites import SUITES
+from model.registry import MIXERS
 from training.config import config_for_resume, group_choices
 from training.jobs import compose
 from training.validation import (EVAL_RULES, TRAIN_RULES, check_eval_config, check_train_config, leaves, rule_for,
@@ -177,7 +178,7 @@ def test_every_shipped_config_passes():
       "model.mixer=[gdn,nope,gdn,gdn]"],
      "error: trainer.batch_size=0; valid: an integer >= 1\n"
      "error: trainer.lr=-1; valid: a number >= 0\n"
-     "error: model.mixer: unknown mixer 'nope'; valid: deltanet, derived_gdn, dsa, gdn, kda, linear, mamba2, softmax\n"
+     f"error: model.mixer: unknown mixer 'nope'; valid: {', '.join(MIXERS.names())}\n"
      "error: mixer.options: gdn conv_size=0; valid: an integer >= 1\n"
      "error: model.hidden_size=256 does not split into model.num_attention_heads=3 heads; valid: a multiple of 3"),
 ])

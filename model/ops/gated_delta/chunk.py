@@ -323,13 +323,14 @@ def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chun
     unit-lower-triangular solve against the identity (C (C - 1) / 2 multiply-adds per column, C columns);
     [u | w] = inv [beta v | beta k e^G] (C^2 (V + K)); w S and kd^T vnew in the state recursion and q S (C K V
     each); the intra-chunk (Gamma o q k^T) vnew (C^2 V). A decay per key channel (per_channel) computes k k^T and
-    q k^T as decayed_products.py does: besides the C^2 K matmul across sub-blocks, each pair within a sub-block of c
-    tokens weighs its K terms by their own decays (C c K each)."""
+    q k^T as decayed_products.py does: as matmuls only the pairs across sub-blocks of c tokens, sub-block n's c rows
+    against the n c columns before it (C^2 K (nb - 1) / (2 nb) each, nb = C / c sub-blocks); the pairs within a
+    sub-block (C (c + 1) / 2 K multiply-adds each) are elementwise products, left out as every elementwise op is."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
     chunks = -(-seq_len // C)
-    per_chunk = 2 * (2 * C * C * K + C * C * (C - 1) / 2 + C * C * (V + K) + 3 * C * K * V + C * C * V)
-    if per_channel:
-        per_chunk += 2 * 2 * C * sub_block(C) * K
+    nb = C // sub_block(C)
+    kk_qk = 2 * (C * C * K * (nb - 1) / (2 * nb) if per_channel else C * C * K)
+    per_chunk = 2 * (kk_qk + C * C * (C - 1) / 2 + C * C * (V + K) + 3 * C * K * V + C * C * V)
     return chunks * per_chunk / seq_len
 
 
