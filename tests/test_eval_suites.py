@@ -21,9 +21,9 @@ from model.lm import DecoderLM
 from model.registry import MIXERS
 from evaluation.suites.decode import decode_costs
 from evaluation.suites.length import bands, log_binned, loss_by_length
-from evaluation.suites.recall import (Recall, RecallOptions, copy_example, copy_losses, filler_stream, first_place_share,
-                                      mqar_recall, passkey_example, passkey_recall, passkey_trials, score_continuations,
-                                      without_needle)
+from evaluation.recall_probes import (copy_example, copy_losses, filler_stream, first_place_share, mqar_recall,
+                                      passkey_example, passkey_recall, passkey_trials, score_continuations, without_needle)
+from evaluation.suites.recall import Recall, RecallOptions
 from model.lm import DecodeCache
 from model.options import parse_options
 from training.validation import check_eval_config
