@@ -28,6 +28,7 @@ PARAMETRIZATIONS = {
 # Each layer's mixer declares one (its `parametrization`); mixers that disagree: "llama". experiment=mqar's; the
 # default stays "tied", which the default corpus run measured better (docs/blocks.md#parametrization).
 PER_MIXER = "per_mixer"
+UNDECLARED_PARAMETRIZATION = "llama"  # per_mixer's for a mixer that declares none (it starts as attention)
 
 
 class LMConfig(PretrainedConfig):
@@ -112,13 +113,14 @@ class LMConfig(PretrainedConfig):
         return self._per_layer(self.ffn, "ffn")
 
     def parametrization_rule(self) -> Parametrization:
-        """The Parametrization this config names; per_mixer: the one every layer's mixer declares, llama if
-        they disagree (a hybrid with attention layers starts as attention wants: docs/blocks.md#parametrization)."""
+        """The Parametrization this config names; per_mixer: the one every layer's mixer declares (a mixer that
+        declares none: UNDECLARED_PARAMETRIZATION), llama if they disagree (a hybrid with attention layers starts
+        as attention wants: docs/blocks.md#parametrization)."""
         name = self.parametrization
         if name == PER_MIXER:
             from model.mixers import MIXERS
 
-            declared = {MIXERS.get(m).parametrization for m in self.layer_mixers}
+            declared = {getattr(MIXERS.get(m), "parametrization", UNDECLARED_PARAMETRIZATION) for m in self.layer_mixers}
             name = declared.pop() if len(declared) == 1 else "llama"
         return PARAMETRIZATIONS[name]
 

@@ -16,6 +16,7 @@ hybrid with softmax attention, at its default options:
   tensors, embeddings, A_log, dt_bias or D;
 - an HF save / from_pretrained round trip gives the same logits;
 - its Options (if any) parse from their defaults and its config file composes with an lr per optimizer;
+- the parametrization it declares (if any) is a known one; one that declares none counts as llama under per_mixer;
 - it declares what it exchanges under context parallelism (`context_exchange`), which tests/test_context_parallel.py
   then checks against one process, for every registered mixer.
 
@@ -275,6 +276,25 @@ def test_options_and_config(name):
         cfg = compose("train", [f"mixer={name}"])
     assert cfg.mixer.name == name and set(cfg.mixer.lr) == set(group_choices("optimizer"))
     assert cfg.trainer.lr == cfg.mixer.lr[cfg.optimizer.name] > 0
+
+
+@pytest.mark.parametrize("name", MIXERS.names())
+def test_declared_parametrization_is_known(name):
+    """model.parametrization=per_mixer starts the model as its mixers' declared `parametrization` says."""
+    from model.config import PARAMETRIZATIONS
+
+    declared = getattr(MIXERS.get(name), "parametrization", None)
+    assert declared is None or declared in PARAMETRIZATIONS, \
+        f"{name} declares parametrization={declared!r}; known: {', '.join(PARAMETRIZATIONS)}"
+
+
+def test_per_mixer_takes_the_default_for_a_mixer_that_declares_no_parametrization(monkeypatch):
+    from model.config import PARAMETRIZATIONS, UNDECLARED_PARAMETRIZATION
+
+    config = LMConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, mixer="mamba2", parametrization="per_mixer")
+    assert config.parametrization_rule() == PARAMETRIZATIONS["mamba2"]
+    monkeypatch.delattr(MIXERS.get("mamba2"), "parametrization")
+    assert config.parametrization_rule() == PARAMETRIZATIONS[UNDECLARED_PARAMETRIZATION] != PARAMETRIZATIONS["mamba2"]
 
 
 @pytest.mark.parametrize("name", MIXERS.names())
