@@ -21,7 +21,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
     import torch
 
     from evaluation.run import evaluate
-    from training.checkpoint import load_lm, weights_dir
+    from runs.checkpoint import load_lm, weights_dir
     from training.validation import check_eval_config
 
     check_eval_config(cfg)
@@ -29,7 +29,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     report, images = evaluate(cfg, load_lm(folder, dtype=torch.float32).to(device).eval(), folder)
     if cfg.wandb:
-        from training.tracking import log_evaluation
+        from runs.tracking import log_evaluation
 
         run_id = log_evaluation(folder, report["scores"], images)
         print(f"logged under eval/ in W&B run {run_id}" if run_id else "no W&B run to log into (trained with logger=none)")

@@ -10,7 +10,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from training.config import check_group_overrides, register_hydra
+from runs.config import check_group_overrides, register_hydra
 from training.validation import error_message
 
 register_hydra()

@@ -11,7 +11,7 @@ from analysis.best import ACCURACIES, BUDGET_KEYS, RUN_KEYS, Architecture, group
 from analysis.runs import Run, cfg_get
 from analysis.summary import CURVE_AXES, curve
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
-from training.plots import LOAD  # moe/layer<i>/load
+from runs.plots import load_grid, load_layers, load_rows, state_accuracy_axes
 
 
 @dataclass
@@ -95,16 +95,13 @@ def plot_throughput(summaries: list[dict], out: Path, style: SeriesStyle) -> lis
 
 def plot_moe_load(runs: list[Run], summaries: list[dict], out: Path) -> list[Path]:
     """moe_load.png: per-expert share of routed tokens (layer x expert) at the last log, one panel per MoE run."""
-    import numpy as np
-
-    moe = [(s["run"], r) for run, s in zip(runs, summaries)
-           for r in [next((r for r in reversed(run.rows) if any(LOAD.match(k) for k in r)), None)] if r]
+    moe = [(s["run"], loads[-1]) for run, s in zip(runs, summaries) if (loads := load_rows(run.rows))]
     if not moe:
         return []
     fig, axes = pyplot().subplots(len(moe), 1, figsize=(7, 0.5 + 1.4 * len(moe)), squeeze=False)
     for ax, (name, row) in zip(axes[:, 0], moe):
-        layers = sorted(int(m.group(1)) for k in row if (m := LOAD.match(k)))
-        grid = np.array([row[f"moe/layer{i}/load"] for i in layers], dtype=float)
+        layers = load_layers([row])
+        grid = load_grid(row, layers)
         im = ax.imshow(grid, aspect="auto", cmap="viridis", vmin=0)
         ax.set_yticks(range(len(layers)), [f"layer {i}" for i in layers], fontsize=7)
         ax.set_title(f"{name} (step {row['step']}, uniform = {1 / grid.shape[1]:.3f})", fontsize=8)
@@ -158,11 +155,8 @@ def plot_state_accuracy(points: list[tuple[str, list[dict]]], out: Path, style: 
     for chance in sorted({s["state_chance"] for _, seeds in points for s in seeds if s.get("state_chance")}):
         ax.axhline(chance, color="black", ls=":", lw=1, label=f"chance {chance:.3g}")
     lengths = sorted({x for _, at_length in bands for pts in at_length for x, _ in pts})
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(x) for x in lengths])
+    state_accuracy_axes(ax, lengths, "length L (the band of prefix lengths (L/2, L]; training length: the first)")
     ax.minorticks_off()
-    ax.set(xlabel="length L (the band of prefix lengths (L/2, L]; training length: the first)",
-           ylabel="state accuracy", ylim=(0, 1.02))
     legend_outside(ax)
     ax.grid(alpha=0.3)
     return [save_figure(fig, out / "state_acc_length.png")]

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from training.metrics import read_metrics
+from runs.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCHERS = ("accelerate", "python")

@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from training.metrics import read_metrics
+from runs.metrics import read_metrics
 
 
 @dataclass

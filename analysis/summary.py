@@ -4,9 +4,9 @@ trained for, its curves."""
 import json
 
 from analysis.runs import Run, cfg_get
-from training.budget import training_flops_per_token
-from training.metrics import logged, median_after_first
-from training.tracking import schedule_tag
+from runs.flops import training_flops_per_token
+from runs.metrics import logged, median_after_first
+from runs.tracking import schedule_tag
 
 COLUMNS = ["run", "group", "mixer", "ffn", "d_model", "layers", "params_total", "params_active", "tokens", "train_flops", "budget", "val_loss",
            "val_ppl", "val_bpb", "val_bpb_batch_routing", "tokens_per_sec", "mfu", "peak_mem_gb", "wall_s",
@@ -22,7 +22,7 @@ def build_model(config: dict, meta: bool):
     from omegaconf import OmegaConf
 
     from model import DecoderLM
-    from training.config import lm_config
+    from runs.config import lm_config
 
     cfg = OmegaConf.create(config)
     with torch.device("meta") if meta else torch.device("cpu"):

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from training.config import group_choices
+from runs.config import group_choices
 
 MIXERS = group_choices("mixer")
 FWD_TOL, GRAD_TOL = 5e-3, 2e-2  # fp32, of max |reference|: Triton's fp32 dots run in tf32
@@ -166,8 +166,7 @@ def counting(module_name: str, attr: str):
 def training_model_config(mixer: str, vocab_size: int | None = None, overrides: tuple[str, ...] = ()):
     """The LMConfig stage train builds for `mixer` (model=125m; vocab from the data config unless given),
     with train.py `overrides` on top."""
-    from training.config import lm_config
-    from training.jobs import compose
+    from runs.config import compose, lm_config
 
     cfg = compose(["model=125m", f"mixer={mixer}", *overrides])
     return lm_config(cfg, vocab_size or cfg.data.vocab_size, 0)

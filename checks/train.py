@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from checks.stage import Check, Stage
-from training.metrics import median_after_first
+from runs.metrics import median_after_first
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,8 +31,7 @@ def train_overrides(mixer: str, run_dir: Path | str) -> list[str]:
 def check_plan(stage: Stage) -> None:
     """Each mixer's train.py config composes and passes train.py's validation; its model's size and FLOPs."""
     from model import DecoderLM
-    from training.config import lm_config
-    from training.jobs import compose
+    from runs.config import compose, lm_config
     from training.validation import check_train_config
 
     for mixer in stage.mixers:
@@ -51,7 +50,7 @@ def check_plan(stage: Stage) -> None:
 def check_data(stage: Stage) -> None:
     """The token cache every run reads (data's default config), built here once rather than in the first run."""
     from data import build_data
-    from training.jobs import compose
+    from runs.config import compose
 
     def build():
         cfg = compose(train_overrides(stage.mixers[0], "unused"))
@@ -92,7 +91,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 def check_train(stage: Stage) -> None:
     """train.py model=125m per mixer, each for an equal share of the stage's time left."""
-    from training.metrics import read_metrics
+    from runs.metrics import read_metrics
 
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         for i, mixer in enumerate(stage.mixers):

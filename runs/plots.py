@@ -1,12 +1,13 @@
-"""End-of-run plots from a run's metrics.jsonl: the loss curves, for MoE runs the expert-load heatmap and the
-imbalance curve (the `moe/...` metrics of model/ffn/moe.py), and for state-tracking runs the accuracy against
-length (the `val/state_acc/<len>` bands of data/state_tracking.py)."""
+"""A run's own plots, from its metrics.jsonl, drawn at the end of training: the loss curves, for MoE runs the
+expert-load heatmap and the imbalance curve (the `moe/...` metrics of model/ffn/moe.py), and for state-tracking runs
+the accuracy against length (the `val/state_acc/<len>` bands of data/state_tracking.py); with the pieces the report's
+comparisons of runs draw alike (analysis/plots.py)."""
 import json
 import re
 from pathlib import Path
 
 from common.plots import legend_outside, pyplot, save_figure
-from training.metrics import read_metrics
+from runs.metrics import read_metrics
 
 
 def plot_loss_curves(run_dir: Path) -> Path | None:
@@ -26,20 +27,34 @@ def plot_loss_curves(run_dir: Path) -> Path | None:
     ax.set_title(Path(run_dir).name)
     ax.legend()
     fig.tight_layout()
-    out = Path(run_dir) / "loss.png"
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
-    return out
+    return save_figure(fig, Path(run_dir) / "loss.png")
 
 
 LOAD = re.compile(r"^moe/layer(\d+)/load$")
 IMBALANCE = re.compile(r"^moe/layer(\d+)/imbalance$")
 
 
+def load_rows(rows: list[dict]) -> list[dict]:
+    """The rows that log an expert load (moe/layer<i>/load)."""
+    return [r for r in rows if any(LOAD.match(k) for k in r)]
+
+
+def load_layers(rows: list[dict]) -> list[int]:
+    """The layers whose expert loads the rows log, in order."""
+    return sorted({int(m.group(1)) for r in rows for k in r if (m := LOAD.match(k))})
+
+
+def load_grid(row: dict, layers: list[int]):
+    """One row's expert loads as a layer x expert array (NaN for a layer it did not log)."""
+    import numpy as np
+
+    return np.array([row.get(f"moe/layer{i}/load", np.nan) for i in layers], dtype=float)
+
+
 def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
-    loads = [r for r in rows if any(LOAD.match(k) for k in r)]
+    loads = load_rows(rows)
     imbalance = [r for r in rows if any(IMBALANCE.match(k) or k == "moe/imbalance" for k in r)]
     if not loads and not imbalance:
         return []
@@ -48,9 +63,9 @@ def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
     plt = pyplot()
     written = []
     if loads:
-        layers = sorted({int(m.group(1)) for r in loads for k in r if (m := LOAD.match(k))})
+        layers = load_layers(loads)
         recent = loads[-last_n:]
-        final = np.array([loads[-1].get(f"moe/layer{i}/load", np.nan) for i in layers], dtype=float)
+        final = load_grid(loads[-1], layers)
         mean = np.array([np.mean([r[f"moe/layer{i}/load"] for r in recent if f"moe/layer{i}/load" in r], axis=0)
                          for i in layers], dtype=float)
         E = final.shape[1]
@@ -67,10 +82,7 @@ def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
             ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=axes[0].tolist(), label=f"share of assignments (uniform = 1/{E} = {1 / E:.3f})")
         fig.suptitle(f"MoE expert load: {run_dir.name}", fontsize=10)
-        out = run_dir / "moe_load_heatmap.png"
-        fig.savefig(out, dpi=120, bbox_inches="tight")
-        plt.close(fig)
-        written.append(out)
+        written.append(save_figure(fig, run_dir / "moe_load_heatmap.png"))
     if imbalance:
         layers = sorted({int(m.group(1)) for r in imbalance for k in r if (m := IMBALANCE.match(k))})
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -86,10 +98,7 @@ def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
         ax.set_title(f"MoE imbalance: {run_dir.name}", fontsize=10)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
-        out = run_dir / "moe_imbalance.png"
-        fig.savefig(out, dpi=120)
-        plt.close(fig)
-        written.append(out)
+        written.append(save_figure(fig, run_dir / "moe_imbalance.png"))
     return written
 
 
@@ -116,11 +125,14 @@ def plot_state_accuracy(run_dir) -> Path | None:
     if order := info.get("data_info", {}).get("group_order"):
         ax.axhline(1 / order, color="black", ls=":", lw=1, label=f"chance 1/{order}")
     ax.axvline(lengths[0], color="black", ls="--", lw=0.8, label=f"training length {lengths[0]}")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(lengths, [str(x) for x in lengths])
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("length L (the band of prefix lengths (L/2, L])")
-    ax.set_ylabel("state accuracy")
+    state_accuracy_axes(ax, lengths, "length L (the band of prefix lengths (L/2, L])")
     ax.set_title(f"state tracking: {run_dir.name}", fontsize=10)
     legend_outside(ax)
     return save_figure(fig, run_dir / "state_acc.png")
+
+
+def state_accuracy_axes(ax, lengths: list[int], xlabel: str) -> None:
+    """State accuracy in [0, 1.02] against the length bands L on a log2 axis, a tick at each L."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(lengths, [str(x) for x in lengths])
+    ax.set(xlabel=xlabel, ylabel="state accuracy", ylim=(0, 1.02))

@@ -1,4 +1,5 @@
-"""W&B as the place where runs are compared (through Accelerate's tracker; offline unless logged in).
+"""W&B as the place where runs are compared (through Accelerate's tracker; offline unless logged in): the tracker
+of training (init_run, finish_run) and of eval.py (log_evaluation).
 
 One W&B run per training run, its id kept in <run_dir>/wandb_run_id (a resumed run and `eval.py`
 continue it). What a run carries, so that a project page sorts itself into comparisons:
@@ -20,7 +21,8 @@ import secrets
 from collections import Counter
 from pathlib import Path
 
-from training.metrics import logged, median_after_first, read_metrics
+from runs.metrics import logged, median_after_first, read_metrics
+from runs.plots import LOAD
 
 TAG_LIMIT = 64  # W&B's limit on a tag's length
 STEP_METRIC = "tokens_seen"
@@ -132,8 +134,6 @@ def load_table(rows: list[dict]):
     """Every logged per-expert load as rows (step, tokens_seen, layer, expert, load): a wandb.Table."""
     import wandb
 
-    from training.plots import LOAD
-
     data = [[r["step"], r.get(STEP_METRIC), int(m.group(1)), e, load] for r in rows for k, v in r.items()
             if (m := LOAD.match(k)) for e, load in enumerate(v)]
     return wandb.Table(columns=["step", STEP_METRIC, "layer", "expert", "load"], data=data) if data else None
@@ -161,7 +161,7 @@ def log_evaluation(model_dir: Path, scores: dict, images: list[Path]) -> str | N
     import wandb
     from omegaconf import OmegaConf
 
-    from training.checkpoint import STEP_DIR
+    from runs.checkpoint import STEP_DIR
 
     model_dir = Path(model_dir).resolve()
     run_dir = next((d for d in (model_dir.parent, model_dir.parent.parent) if (d / "wandb_run_id").exists()), None)

@@ -10,7 +10,9 @@ is their product in the order given (the first job is the reference for --match-
 experiment declares in hydra.sweeper.params unless given. Each job runs as its own `accelerate launch train.py
 <overrides> run_dir=<out>/<i>_<values>`; every job gets one W&B group (printed; unless logger.group is given).
 Output: one run dir per job, its console log <out>/<i>_<values>.log, and <out>/sweep.json (job, overrides,
-status, seconds, final val loss), updated after every job; exit status 1 if any job failed.
+status, seconds, final val loss), updated after every job; exit status 1 if any job failed. Before any job starts,
+each is composed and checked as train.py would (--match-params: with its FFN width set so that its parameter count
+matches the first job's).
 """
 import argparse
 import sys
@@ -18,8 +20,57 @@ import time
 from pathlib import Path
 
 from analysis.runner import LAUNCHERS, ROOT, launcher_command, run_jobs, summary_lines
-from analysis.sweep import MATCH, plan, with_config_axes
+from runs.config import check_group_overrides, compose, meta_model
+from runs.sweep import sweep_jobs
+from training.jobs import check_job
 from training.validation import error_message
+
+MATCH = ("none", "active", "total")
+
+
+def parameter_counts(cfg, intermediate_size: int | None = None) -> dict[str, int]:
+    """DecoderLM.parameter_counts() of the config (with this FFN width), built on the meta device; the
+    vocabulary is the same for every job, so it cancels out in the matching."""
+    return meta_model(cfg, intermediate_size).parameter_counts()
+
+
+def match_intermediate_size(cfg, target: int, which: str, multiple: int = 16) -> int:
+    """The multiple of `multiple` whose `which` parameter count is the closest to target (counts are
+    linear in intermediate_size up to rounding: solve from two points, then check the neighbours)."""
+    lo, hi = 4 * multiple, 64 * multiple
+    c_lo, c_hi = parameter_counts(cfg, lo)[which], parameter_counts(cfg, hi)[which]
+    guess = lo + (target - c_lo) * (hi - lo) / max(c_hi - c_lo, 1)
+    base = max(multiple, round(guess / multiple) * multiple)
+    candidates = [max(multiple, base + d * multiple) for d in (-1, 0, 1)]
+    return min(candidates, key=lambda i: abs(parameter_counts(cfg, i)[which] - target))
+
+
+def plan(overrides: list[str], out: Path, match: str = "none") -> tuple[list[dict], str | None]:
+    """The sweep's jobs ({job, name, overrides, run_dir, params, steps, status}) of the command line's overrides (with
+    the config's axes: runs/sweep.py sweep_jobs), each composed and checked as train.py would before any starts (a bad
+    one: ValueError naming it), and the W&B group they share (None where logger.group is given)."""
+    named = sweep_jobs(overrides)
+    given_group = any(o.lstrip("+~").startswith("logger.group=") for o in overrides)
+    group = None if given_group else f"{compose(named[0][1]).get('experiment_name') or 'sweep'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    jobs, target = [], None
+    for i, (name, job) in enumerate(named):
+        if group:
+            job = job + [f"++logger.group={group}"]
+        cfg = compose(job)
+        if match != "none":
+            if target is None:
+                target = parameter_counts(cfg)[match]
+            else:
+                job = job + [f"model.intermediate_size={match_intermediate_size(cfg, target, match)}"]
+                cfg = compose(job)
+        try:
+            params = check_job(cfg, job).parameter_counts()
+        except ValueError as e:
+            raise ValueError(f"job {name}: {e}") from None
+        jobs.append({"job": i, "name": name, "overrides": job, "run_dir": str(out / name),
+                     "params": params, "steps": cfg.trainer.max_steps, "status": "pending"})
+    return jobs, group
+
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,12 +93,10 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"error: --jobs {args.jobs}; valid: 1, or more with --launcher python (accelerate jobs already use every device)")
     if args.match_params != "none" and any(o.startswith("model.intermediate_size=") for o in args.overrides):
         sys.exit("error: --match-params sets model.intermediate_size; do not override it too")
-    from training.config import check_group_overrides
-
     check_group_overrides(args.overrides)
     out = Path(args.out or ROOT / "multirun" / time.strftime("%Y-%m-%d") / f"{time.strftime('%H-%M-%S')}_sweep").resolve()
     try:
-        jobs, group = plan(with_config_axes(args.overrides), out, args.match_params)
+        jobs, group = plan(args.overrides, out, args.match_params)
     except ValueError as e:
         sys.exit(error_message(e))
     launcher = launcher_command(args.launcher, args.accelerate_config, args.num_processes)

@@ -21,7 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-multirun/compare_all/$(date +%Y-%m-%d_%H-%M-%S)}
 if [ -z "${MIXER:-}" ]; then
-  MIXER=$(python -c "from training.config import group_choices; print(','.join(['softmax'] + [m for m in group_choices('mixer') if m != 'softmax']))")
+  MIXER=$(python -c "from runs.config import group_choices; print(','.join(['softmax'] + [m for m in group_choices('mixer') if m != 'softmax']))")
 fi
 FFN=${FFN:-dense,moe}
 MQAR_FFN=${MQAR_FFN:-dense}

@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from analysis.runner import ROOT, log_path, run_jobs
-from training.metrics import read_metrics
+from runs.metrics import read_metrics
 
 
 def final_val(run_dir: Path) -> dict:

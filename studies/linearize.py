@@ -30,8 +30,8 @@ from analysis.best import best_value
 from analysis.runner import ROOT, finished, run_jobs
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
 from model.config import LMConfig
-from training.jobs import compose
-from training.metrics import read_metrics
+from runs.config import compose
+from runs.metrics import read_metrics
 
 # student name -> the train.py overrides that make it (gdn: value heads as wide as the teacher's, so that its
 # v and o projections load). The hybrids keep softmax layers of derived GDN's 4: chosen by hand (hybrid: layer 1, the

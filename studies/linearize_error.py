@@ -171,7 +171,7 @@ def val_batches(teacher_dir: Path, sequences: int, batch_size: int) -> list[dict
     from omegaconf import OmegaConf
 
     from data import build_data
-    from training.checkpoint import weights_dir
+    from runs.checkpoint import weights_dir
 
     folder = weights_dir(teacher_dir)
     cfg = OmegaConf.load(folder / "training_config.yaml")
@@ -221,7 +221,7 @@ ZERO_SHOT = [("VaLA", "vala", {}), ("linear (elu+1, normalised)", "linear", {}),
 def layer_error_table(args) -> tuple[str, dict[str, list[float]]]:
     """Zero-shot: every core over the teacher's projections; then each --students run (a linearize run, e.g.
     after its transfer stage) as trained. Rows: method, columns: layers and their mean."""
-    from training.checkpoint import load_lm
+    from runs.checkpoint import load_lm
 
     teacher = load_lm(args.teacher).eval()
     batches = val_batches(Path(args.teacher), args.sequences, args.batch_size)

@@ -110,7 +110,7 @@ def train_here(run_dir: Path, *overrides: str, cache: Path | None = None, base: 
     from accelerate.state import AcceleratorState
 
     from train import checked_config
-    from training.jobs import compose
+    from runs.config import compose
     from training.loop import train
 
     overrides = [*base, f"run_dir={run_dir}", *overrides]

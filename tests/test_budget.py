@@ -10,7 +10,8 @@ import pytest
 
 from conftest import ROOT, TINY, train_here
 from model import MIXERS
-from training.jobs import check_job, compose, meta_model
+from runs.config import compose, meta_model
+from training.jobs import check_job
 
 SMALL = ["model.hidden_size=64", "model.num_hidden_layers=2", "model.num_attention_heads=4",
          "model.intermediate_size=128", "data.vocab_size=512", "trainer.seq_len=64", "trainer.batch_size=4",

@@ -7,8 +7,8 @@ import torch
 from transformers import get_cosine_with_min_lr_schedule_with_warmup
 
 from model import DecoderLM, LMConfig
-from training.checkpoint import (checkpoint_problem, checkpoints, load_checkpoint, load_matching_weights,
-                                 resolve_resume, save_checkpoint)
+from runs.checkpoint import load_matching_weights
+from training.checkpoint import checkpoint_problem, checkpoints, load_checkpoint, resolve_resume, save_checkpoint
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

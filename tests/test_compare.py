@@ -12,14 +12,14 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY
 from model import DecoderLM
-from analysis import best, summary, sweep
+from analysis import best, summary
 from analysis.report import compare, discover
 from analysis.runner import launcher_command
 from analysis.runs import Run
+from runs import sweep
+from runs.config import compose, lm_config
+from runs.metrics import read_metrics
 from scripts import compare as compare_script, sweep as sweep_script
-from training.jobs import compose
-from training.config import lm_config
-from training.metrics import read_metrics
 
 
 # ---- sweeps ----------------------------------------------------------------------------------------
@@ -40,13 +40,13 @@ def test_expand_grid_and_names():
 def test_match_params_equalises_active_counts():
     """model.intermediate_size is chosen so that active params are the closest to the reference's."""
     base = ["model.hidden_size=64", "model.num_attention_heads=4", "model.num_key_value_heads=4", "data.vocab_size=512"]
-    target = sweep.parameter_counts(compose(base + ["mixer=softmax"]))["active"]
+    target = sweep_script.parameter_counts(compose(base + ["mixer=softmax"]))["active"]
     cfg = compose(base + ["mixer=mamba2"])
-    size = sweep.match_intermediate_size(cfg, target, "active")
-    counts = [sweep.parameter_counts(cfg, i)["active"] for i in (size - 16, size, size + 16)]
+    size = sweep_script.match_intermediate_size(cfg, target, "active")
+    counts = [sweep_script.parameter_counts(cfg, i)["active"] for i in (size - 16, size, size + 16)]
     assert abs(counts[1] - target) == min(abs(c - target) for c in counts) and abs(counts[1] - target) / target < 0.02
     moe = compose(base + ["mixer=softmax", "ffn=moe"])
-    assert abs(sweep.parameter_counts(moe, sweep.match_intermediate_size(moe, target, "active"))["active"] - target) / target < 0.02
+    assert abs(sweep_script.parameter_counts(moe, sweep_script.match_intermediate_size(moe, target, "active"))["active"] - target) / target < 0.02
 
 
 @pytest.mark.slow

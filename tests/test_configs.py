@@ -7,7 +7,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from training.config import CONFIG_DIR, group_choices, lm_config, register_hydra
+from runs.config import CONFIG_DIR, group_choices, lm_config, register_hydra
 
 register_hydra()
 

@@ -29,7 +29,7 @@ from model.layers import ShortConv
 from model.segments import DocumentSegments
 from model.registry import MIXERS
 from training.context_parallel import check_context_parallel
-from training.metrics import read_metrics
+from runs.metrics import read_metrics
 
 
 @pytest.mark.slow

@@ -86,7 +86,7 @@ def test_flops_are_positive_and_per_token(ffn, router):
 def test_the_optimizer_split(ffn, router):
     from omegaconf import OmegaConf
 
-    from training.config import CONFIG_DIR
+    from runs.config import CONFIG_DIR
     from training.optim import build_optimizer, muon_split
 
     model = lm(ffn, router, perturb=False)

@@ -227,7 +227,7 @@ def test_the_optimizer_split(layers):
     none of the 1-d tensors, the embedding, A_log, dt_bias or D."""
     from omegaconf import OmegaConf
 
-    from training.config import CONFIG_DIR
+    from runs.config import CONFIG_DIR
     from training.optim import NO_DECAY_NAMES, build_optimizer
 
     model = lm(layers, perturb=False)
@@ -265,7 +265,7 @@ def test_options_and_config(name):
     from hydra import compose, initialize_config_dir
 
     from model.options import parse_options
-    from training.config import CONFIG_DIR, group_choices, register_hydra
+    from runs.config import CONFIG_DIR, group_choices, register_hydra
 
     options = getattr(MIXERS.get(name), "Options", None)
     if options is not None:

@@ -19,7 +19,7 @@ def eval_config(overrides: list[str]):
     from hydra import compose, initialize_config_dir
 
     from evaluation.run import register_hydra
-    from training.config import CONFIG_DIR
+    from runs.config import CONFIG_DIR
 
     register_hydra()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):

@@ -15,7 +15,7 @@ import torch
 from omegaconf import OmegaConf
 
 from conftest import ROOT, ddp_launcher, free_port, run_train, train_here
-from training.metrics import read_metrics
+from runs.metrics import read_metrics
 
 pytestmark = pytest.mark.slow
 
@@ -76,7 +76,7 @@ def test_ddp_moe_dsa_expert_parallel_equals_grad_accum_and_resumes_across_layout
     on 2 with EP 2 (1 -> 2), each continuing the same curve."""
     from safetensors.torch import load_file
 
-    from training.checkpoint import load_lm
+    from runs.checkpoint import load_lm
 
     ref, two, resumed, split = tmp_path / "ref", tmp_path / "two", tmp_path / "resumed", tmp_path / "split"
     train_here(ref, *MOE_DSA, "trainer.grad_accum=2", "trainer.keep_checkpoints=5", cache=data_cache)
@@ -148,7 +148,7 @@ def test_fsdp_export_and_checkpoint_round_trip(tmp_path):
     whose model reproduces the sharded model's logits in one plain process; save_checkpoint writes
     one DCP shard per rank, and loading it into a freshly initialised sharded model + optimizer
     retrains the next step to the same loss and lr; the checkpoint dir itself loads with load_lm."""
-    from training.checkpoint import load_lm
+    from runs.checkpoint import load_lm
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",

@@ -68,7 +68,7 @@ def hydra_configs():
     from hydra import initialize_config_dir
 
     from evaluation.run import register_hydra as register_eval
-    from training.config import register_hydra
+    from runs.config import register_hydra
 
     register_hydra()
     register_eval()
@@ -82,8 +82,8 @@ def check_train(args: list[str]) -> None:
     from hydra import compose
     from omegaconf import OmegaConf, open_dict
 
-    from analysis.sweep import expand_grid, split_values
-    from training.config import check_group_overrides
+    from runs.config import check_group_overrides
+    from runs.sweep import expand_grid, split_values
     from training.validation import check_train_config
 
     multirun = bool({"-m", "--multirun"} & set(args))

@@ -56,7 +56,7 @@ def test_a_half_written_metrics_row_is_not_read_and_a_resumed_writer_drops_it(tm
     exactly that: JSONDecodeError at the cut); a run killed mid-append leaves such a row behind."""
     from types import SimpleNamespace
 
-    from training.metrics import MetricsWriter, read_metrics
+    from runs.metrics import MetricsWriter, read_metrics
 
     path = tmp_path / "metrics.jsonl"
     path.write_text('{"step": 1, "train/loss": 5.0}\n{"step": 2, "train/lo')
@@ -72,7 +72,7 @@ def test_a_resumed_writer_keeps_the_rows_up_to_its_step(tmp_path):
     resumed writer keeps the rows up to the checkpoint's step; a run starting at step 0 logs afresh."""
     from types import SimpleNamespace
 
-    from training.metrics import MetricsWriter, read_metrics
+    from runs.metrics import MetricsWriter, read_metrics
 
     rows = "".join(f'{{"step": {s}, "train/loss": {s}.0}}\n' for s in (0, 1, 2, 3, 4))
     (tmp_path / "metrics.jsonl").write_text(rows)

@@ -19,7 +19,8 @@ from model.mixers import softmax as softmax_module
 from model.ops import kernels
 from model.ops.kernels import repeat_heads
 from model.registry import MIXERS
-from training.budget import TRAINED, StepCosts, part_costs, training_flops_per_token
+from runs.flops import TRAINED, part_costs, training_flops_per_token
+from training.budget import StepCosts
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 aten = torch.ops.aten

@@ -17,7 +17,7 @@ from model.mixers.gdn import DeltaRuleBlock
 from model.registry import MIXERS
 from model.config import PARAMETRIZATIONS
 from model.ffn.routers import ROUTERS
-from training.config import CONFIG_DIR
+from runs.config import CONFIG_DIR
 
 STD, LAYERS, D = 0.02, 4, 128
 RESIDUAL = 1 / math.sqrt(2 * LAYERS)

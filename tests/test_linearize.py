@@ -20,10 +20,10 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY, ddp_launcher, run_train, train_here
 from model import DecoderLM, LMConfig
-from training.checkpoint import load_matching_weights
+from runs.checkpoint import load_matching_weights
 from training.objectives.linearize import (Linearization, distill_kl, kl_with_each_layer_softmax, load_teacher,
                                           parse_keep_softmax, teacher_state_for, with_softmax_layers)
-from training.metrics import read_metrics
+from runs.metrics import read_metrics
 
 SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=64)

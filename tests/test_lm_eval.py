@@ -103,7 +103,7 @@ def own_log_likelihoods(folder) -> list[list[float]]:
 def test_harness_log_likelihood_of_every_choice_is_ours(checkpoint):
     from lm_eval.api.instance import Instance
 
-    from training.checkpoint import load_lm
+    from runs.checkpoint import load_lm
     from evaluation.harness import harness_model
 
     wrapped = harness_model(load_lm(checkpoint, dtype=torch.float32).eval(), checkpoint, "cpu", batch_size=4)
@@ -145,7 +145,7 @@ def test_harness_generation_and_log_likelihood_at_batch_8_equal_batch_1(checkpoi
     from lm_eval.api.instance import Instance
 
     from evaluation.harness import harness_model
-    from training.checkpoint import load_lm
+    from runs.checkpoint import load_lm
 
     model = load_lm(checkpoint, dtype=torch.float32).eval()
     until = {"until": ["\n\n"], "max_gen_toks": 6, "do_sample": False}

@@ -349,8 +349,8 @@ def test_autocast_bf16_runs_experts_in_bf16_and_routes_in_fp32():
 
 
 def test_moe_report_plots(tmp_path):
-    from training.plots import plot_moe_load
-    from training.metrics import to_python
+    from runs.metrics import to_python
+    from runs.plots import plot_moe_load
 
     model = tiny_lm(["dense", "moe"])
     data = torch.randint(0, 64, (2, 16))

@@ -381,7 +381,7 @@ def test_the_router_weight_takes_no_weight_decay_and_no_z_loss_unless_asked():
     and z_loss=true keep both, as for top-k."""
     from omegaconf import OmegaConf
 
-    from training.config import CONFIG_DIR
+    from runs.config import CONFIG_DIR
     from training.optim import build_optimizer
 
     def decay_of_router_weights(model, name):

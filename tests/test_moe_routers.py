@@ -524,7 +524,7 @@ steps from an init whose experts barely write into the residual stream)."""
 
     from conftest import train_here
     from eval import evaluate_checkpoint
-    from training.metrics import read_metrics
+    from runs.metrics import read_metrics
 
     run = tmp_path / "ec"
     train_here(run, "ffn=moe", "ffn.options.router=expert_choice", "ffn.options.router_options.capacity_factor=0.5",

@@ -10,7 +10,7 @@ from accelerate.utils import DistributedType
 from omegaconf import OmegaConf
 
 from model import DecoderLM, LMConfig
-from training.config import CONFIG_DIR
+from runs.config import CONFIG_DIR
 from training.optim import (SCHEDULES, CombinedOptimizer, Muon, build_optimizer, build_scheduler, muon_split,
                             orthogonalize)
 

@@ -158,7 +158,7 @@ def test_state_accuracy_of_a_model_counts_argmax_hits(mixer, one_thread):
                               "4800 tokens): <= model.max_position_embeddings / 8 = 512"),
 ])
 def test_bad_options_are_one_line(overrides, message):
-    from training.jobs import compose
+    from runs.config import compose
     from training.validation import check_train_config
 
     with pytest.raises(ValueError) as e:
@@ -173,8 +173,8 @@ def test_a_tiny_run_logs_the_bands(tmp_path):
     run draws state_acc.png."""
     from conftest import train_here
     from data import build_data
-    from training.checkpoint import load_lm
-    from training.metrics import read_metrics
+    from runs.checkpoint import load_lm
+    from runs.metrics import read_metrics
 
     out = train_here(tmp_path, "experiment=state_tracking", "data.task=s3", "mixer=gdn", "model.hidden_size=32",
                      "data.train_examples=64", "data.test_examples=4", "trainer.seq_len=16", "trainer.batch_size=8",

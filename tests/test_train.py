@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import ROOT, train_here
-from training.config import group_choices
-from training.metrics import read_metrics
+from runs.config import group_choices
+from runs.metrics import read_metrics
 
 KEYS = ["train/loss", "train/ppl", "lr", "grad_norm", "perf/tokens_per_sec", "perf/step_time", "perf/tflops",
         "perf/mfu", "perf/peak_mem_gb", "tokens_seen"]
@@ -116,7 +116,7 @@ def test_resume_restores_the_run_past_a_corrupt_checkpoint(tmp_path, data_cache)
             assert b[step] == pytest.approx(a[step], abs=1e-6), (step, a, b)
     # the command may not change the model: one line naming the key and both values (train.py's check)
     from train import checked_config
-    from training.jobs import compose
+    from runs.config import compose
 
     overrides = [f"run_dir={run}", "resume=auto", "mixer=softmax"]
     with pytest.raises(ValueError, match="^" + re.escape(
@@ -169,7 +169,7 @@ def test_non_finite_loss_stops_with_message(tmp_path, data_cache, capsys):
     ("optimizer=nope", "unknown optimizer 'nope'; valid: ", "adamw, muon"),
 ])
 def test_unknown_group_choice_is_one_line(arg, needle, valid):
-    from training.config import check_group_overrides
+    from runs.config import check_group_overrides
 
     with pytest.raises(SystemExit) as e:
         check_group_overrides([arg])

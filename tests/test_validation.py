@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 from conftest import ROOT
 from evaluation.suites import SUITES
 from model.registry import MIXERS
-from training.config import config_for_resume, group_choices
-from training.jobs import compose
+from runs.config import compose, group_choices
+from training.config import config_for_resume
 from training.validation import (EVAL_RULES, TRAIN_RULES, check_eval_config, check_train_config, leaves, rule_for,
                                  train_config_problems)
 

@@ -13,8 +13,8 @@ import pytest
 from conftest import ROOT, TINY, run_train
 from analysis.report import compare
 from analysis.wandb_runs import wandb_records
-from training.jobs import compose
-from training.tracking import architecture, run_tags, schedule_tag
+from runs.config import compose
+from runs.tracking import architecture, run_tags, schedule_tag
 
 HYBRID_24 = "[" + ",".join(["softmax", "gdn", "gdn", "gdn"] * 6) + "]"
 

@@ -7,14 +7,14 @@ equal steps.
 
 A step's training FLOPs per token are the objective's (training/objectives/ flops_schedule): each part of the
 model (DecoderLM.flops_by_part) on the path its ops take on the run's device, 3x its forward where any of its
-own parameters trains and 1x where none does (part_costs), 1x the model's forward for each run of it without grad
+own parameters trains and 1x where none does (runs/flops.py part_costs), 1x the model's forward for each run of it without grad
 that its training forward makes (a self-critical router's baseline), plus what the objective runs beside the model
 (a teacher's forward). A budget replaces trainer.max_steps: a new run given a budget starts with max_steps=null
 (giving both is an error), and training/run.py fills it in from the model as built on the device it runs on
 before anything is written; the saved config then holds both, so a resumed run keeps the steps it started with."""
 from omegaconf import open_dict
 
-TRAINED, FROZEN = 3, 1  # forward FLOPs charged per forward FLOP: forward + backward (inputs, weights); forward only
+from runs.config import override_key
 
 BUDGETS = ("flops_budget", "tokens_budget")
 
@@ -30,34 +30,12 @@ def budget_replaces_steps(cfg, overrides: list[str]) -> None:
     key = given_budget(cfg.trainer)
     if key is None:
         return
-    given = {o.lstrip("+~").partition("=")[0] for o in overrides}
+    given = set(map(override_key, overrides))
     if "trainer.max_steps" in given:
         raise ValueError(f"trainer.max_steps={cfg.trainer.max_steps} and trainer.{key}={cfg.trainer[key]:g}; "
                          f"valid: one of them (a budget sets the steps)")
     with open_dict(cfg):
         cfg.trainer.max_steps = None
-
-
-def part_costs(lm, seq_len: int, device, trains=lambda p: p.requires_grad) -> dict[str, float]:
-    """Training FLOPs per token of each part of `lm` (DecoderLM.flops_by_part on `device`): TRAINED x its forward if
-    `trains` picks any of its own parameters (those of its module less its own parts'), else FROZEN x. A frozen
-    part's backward for its input, where gradients pass through it to a part before it, is not charged. The
-    whole-model forwards without grad a training forward runs beside its own (DecoderLM.eval_forwards_per_step)
-    are one more entry, "eval_forward", FROZEN x the model's forward each."""
-    parts = lm.flops_by_part(seq_len, device)
-    costs = {}
-    for name, flops in parts.items():
-        inner = [p for sub in parts if sub.startswith(name + ".") for p in lm.get_submodule(sub).parameters()]
-        own = [p for p in lm.get_submodule(name).parameters() if not any(p is q for q in inner)]
-        costs[name] = flops * (TRAINED if any(trains(p) for p in own) else FROZEN)
-    if forwards := lm.eval_forwards_per_step():
-        costs["eval_forward"] = FROZEN * forwards * sum(parts.values())
-    return costs
-
-
-def training_flops_per_token(lm, seq_len: int, device, trains=lambda p: p.requires_grad) -> float:
-    """Training FLOPs per token of a step of `lm` that trains the parameters `trains` picks (part_costs summed)."""
-    return sum(part_costs(lm, seq_len, device, trains).values())
 
 
 class StepCosts:

@@ -1,4 +1,4 @@
-"""Checkpoints, the final export, and loading weights back.
+"""Checkpoints, the final export and resuming (reading weights back elsewhere: runs/checkpoint.py).
 
 A checkpoint `checkpoints/step_N/` holds
 - `state/`: model and optimizer state through torch.distributed.checkpoint (DCP): every rank writes
@@ -7,7 +7,7 @@ A checkpoint `checkpoints/step_N/` holds
   batch is a pure function of the step, so the data position is the step: trainer_state.json);
 - `scheduler.pt`, `trainer_state.json` (step, tokens seen, elapsed time, processes);
 - `config.json`, `training_config.yaml` and the tokenizer, so that evaluation scripts can load it
-  like an exported model (`load_lm`);
+  like an exported model (runs/checkpoint.py `load_lm`);
 - `manifest.json`, written last: the size and SHA-256 of every other file. `resume=auto` verifies
   the latest checkpoint against it and falls back to the previous good one.
 Each is written to a temp folder and renamed. The training step draws no random numbers (batches
@@ -19,11 +19,8 @@ CPU), and it can be tested on CPU with torch's fully_shard over gloo.
 """
 import hashlib
 import json
-import re
 import shutil
 import signal
-import warnings
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,8 +30,8 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_state_dict)
 
 from common.files import rename_into_place, written_then_renamed
+from runs.checkpoint import STEP_DIR, run_dcp
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
 
 
@@ -57,14 +54,6 @@ class StopFlag:
 
     def handle(self, signum, frame):
         self.signal = signal.Signals(signum).name
-
-
-def run_dcp(fn, state: dict, folder: Path) -> None:
-    """dcp.save or dcp.load; in one process without a process group when there is none (DCP warns
-    that it assumes so even when told; here that is the intent)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is .*uninitialized")
-        fn(state, checkpoint_id=folder, no_dist=not dist.is_initialized())
 
 
 # writing --------------------------------------------------------------------------------------
@@ -204,65 +193,6 @@ def resolve_resume(resume: str | None, run_dir: Path, warn=print) -> Path | None
             return folder
         warn(f"warning: checkpoint {folder} is unusable: {problem}; trying the previous one")
     raise FileNotFoundError(f"no usable checkpoint among {[str(c) for c in candidates]} (see the warnings above)")
-
-
-# loading weights elsewhere ----------------------------------------------------------------------
-def weights_dir(path: str | Path) -> Path:
-    """An HF dir or a checkpoint dir (has config.json), or a run dir (its final/ export)."""
-    path = Path(path)
-    for candidate in (path, path / "final"):
-        if (candidate / "config.json").exists():
-            return candidate
-    raise FileNotFoundError(f"{str(path)!r} is neither a model dir, a checkpoint dir nor a run dir with final/config.json")
-
-
-def load_lm(path: str | Path, dtype: torch.dtype | None = None):
-    """The model of an HF dir (from_pretrained), a run dir (its final/) or a mid-run checkpoint
-    (checkpoints/step_N: config.json + the DCP model state)."""
-    from transformers import AutoModelForCausalLM
-
-    import model  # noqa: F401  (registers LMConfig / DecoderLM with the Auto classes)
-
-    folder = weights_dir(path)
-    if not (folder / "state").is_dir():
-        with no_progress_bar():  # transformers' per-tensor bar: noise in a run's first lines, and on a one-line error
-            return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
-    from transformers import AutoConfig
-
-    lm = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    state = {"model": get_model_state_dict(lm)}
-    run_dcp(dcp.load, state, folder / "state")
-    set_state_dict(lm, [], model_state_dict=state["model"], optim_state_dict={})
-    return lm.to(dtype) if dtype is not None else lm
-
-
-@contextmanager
-def no_progress_bar():
-    from transformers.utils import logging
-
-    was_enabled = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            logging.enable_progress_bar()
-
-
-def load_matching_weights(model: torch.nn.Module, source: str | Path | dict) -> dict[str, list[str]]:
-    """Copy every weight of `source` (a model's path, or its state dict) whose name and shape match; return
-    what was new, unused or mismatched."""
-    source = source if isinstance(source, dict) else load_lm(source).state_dict()
-    own = model.state_dict()
-    loaded = {k: v for k, v in source.items() if k in own and own[k].shape == v.shape}
-    model.load_state_dict(loaded, strict=False)
-    tied = {"lm_head.weight"} if getattr(model.config, "tie_word_embeddings", False) else set()
-    return {
-        "loaded": sorted(loaded),
-        "new": sorted(k for k in own if k not in source and k not in tied),
-        "unused": sorted(k for k in source if k not in own and k not in tied),
-        "shape_mismatch": sorted(k for k in source if k in own and own[k].shape != source[k].shape),
-    }
 
 
 def resolve_resume_on_main(accelerator, resume: str | None, run_dir: Path) -> Path | None:

@@ -19,7 +19,8 @@ def train(cfg: DictConfig) -> float:
     from tqdm.auto import tqdm
 
     from training.checkpoint import StopFlag
-    from training.metrics import Meter, MetricsWriter
+    from runs.metrics import MetricsWriter
+    from training.metrics import Meter
     from training.perf import ContentionMonitor
 
     run = setup(cfg)
@@ -179,8 +180,9 @@ def finish(run: Run, last_log: dict) -> float:
     """Final evaluation (unless the last step just ran one), the export (all ranks join the gather),
     then on the main process: plots, the summary, and a sample from the exported model."""
     from evaluation.samples import sample
-    from training.checkpoint import export_final, load_lm
-    from training.plots import plot_loss_curves, plot_moe_load, plot_state_accuracy
+    from runs.checkpoint import load_lm
+    from runs.plots import plot_loss_curves, plot_moe_load, plot_state_accuracy
+    from training.checkpoint import export_final
 
     a, cfg, tc = run.accelerator, run.cfg, run.cfg.trainer
     final = evaluate(run) if run.step % tc.eval_every else {k: v for k, v in last_log.items() if k.startswith("val/")}
@@ -189,7 +191,7 @@ def finish(run: Run, last_log: dict) -> float:
         plots = [p for p in [plot_loss_curves(run.run_dir), *plot_moe_load(run.run_dir), plot_state_accuracy(run.run_dir)]
                  if p]  # MoE: heatmap, imbalance; state tracking: accuracy against length
         if cfg.logger.name == "wandb":
-            from training.tracking import finish_run
+            from runs.tracking import finish_run
 
             finish_run(a, run.run_dir, run.lm.parameter_counts(), time.time() - run.t_origin, plots)
         lines = [f"val loss {final['val/loss']:.4f} | ppl {final['val/ppl']:.2f}"

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from training.config import lm_config
+from runs.config import lm_config
 
 
 @dataclass
@@ -143,7 +143,7 @@ def setup(cfg: DictConfig) -> Run:
     accelerator.wait_for_everyone()
     group = None
     if cfg.logger.name == "wandb":
-        from training.tracking import init_run, wandb_group
+        from runs.tracking import init_run, wandb_group
 
         init_run(accelerator, cfg, run_dir, counts)
         group = wandb_group(cfg)

@@ -16,7 +16,7 @@ import tempfile
 from pathlib import Path
 
 from scripts.benchmarks.common import ROOT, markdown_table
-from training.metrics import median_after_first
+from runs.metrics import median_after_first
 
 LAUNCH = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(ROOT / "configs" / "accelerate" / "cpu_ddp.yaml")]
 

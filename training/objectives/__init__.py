@@ -38,7 +38,7 @@ class Objective:
     start_metrics: dict = {}
 
     def __init__(self, cfg, lm: nn.Module, state, data):
-        from training.checkpoint import load_matching_weights
+        from runs.checkpoint import load_matching_weights
 
         self.cfg, self.lm = cfg, lm
         self.new_parameters: list[str] = []  # parameters init_from did not have
@@ -73,7 +73,7 @@ class Objective:
 
     def flops_schedule(self, seq_len: int, device) -> list[tuple[int, float]]:
         """Every step trains the parameters that require gradients (trainer.trainable's)."""
-        from training.budget import training_flops_per_token
+        from runs.flops import training_flops_per_token
 
         return [(0, training_flops_per_token(self.lm, seq_len, device))]
 

@@ -135,7 +135,7 @@ SHAPE_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_h
 def load_teacher(path: str, student_config) -> nn.Module:
     """The frozen teacher at `path` (HF dir, run dir or checkpoint), checked against the student: every
     layer softmax attention, and the student's shape. A mismatch is one line naming what differs."""
-    from training.checkpoint import load_lm
+    from runs.checkpoint import load_lm
 
     teacher = load_lm(path)
     kinds = teacher.config.layer_mixers
@@ -326,12 +326,12 @@ class Linearization(nn.Module):
                         aux_metrics={**out.aux_metrics, **metrics})
 
     def flops_per_token(self, stage: str, seq_len: int, device) -> float:
-        """Training FLOPs per token of a step in `stage` (training/budget.py part_costs, the student's parts 3x
+        """Training FLOPs per token of a step in `stage` (runs/flops.py part_costs, the student's parts 3x
         where the stage trains any of their own parameters, 1x where it trains none). transfer: the teacher's
         forward (its lm_head on one token), the student's forward under no_grad, and every student mixer run
         again on the teacher's mixer input; distill: the teacher's forward beside the student's step; finetune:
         the student's step."""
-        from training.budget import part_costs
+        from runs.flops import part_costs
 
         names = set(self.transfer_parameters) if stage == "transfer" else self.trainable
         chosen = {id(p) for name, p in self.student.named_parameters() if name in names}
@@ -410,7 +410,7 @@ class Linearize(Objective):
         from accelerate.utils import broadcast_object_list
 
         from data.batches import global_batch, micro_batches
-        from training.checkpoint import load_matching_weights
+        from runs.checkpoint import load_matching_weights
         from training.optim import build_optimizer, build_scheduler
 
         tc = cfg.trainer
