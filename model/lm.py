@@ -270,7 +270,7 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
     # accounting ------------------------------------------------------------------------------
     def flops_per_token(self, seq_len: int, device) -> float:
         """Forward FLOPs per token of the model as built, on the path its ops take on `device` ("cpu", "cuda";
-        active experts only). Training charges each part by whether it trains (training/budget.py)."""
+        active experts only). Training charges each part by whether it trains (runs/flops.py)."""
         return float(sum(self.flops_by_part(seq_len, device).values()))
 
     def flops_by_part(self, seq_len: int, device) -> dict[str, float]:
