@@ -14,7 +14,8 @@ A suite is a class in its own file here, decorated `@SUITES.register("<name>")`,
                                          eval.json of each run it stands for), drawn in the report's style
                                          (common/plots.py SeriesStyle): -> (PNG paths, markdown lines, notes)
 
-eval.py, its config check and compare.py read this registry: a new suite is one file and nothing else."""
+eval.py, its config check and compare.py read this registry: a new suite is one file and nothing else. Every module
+here is imported as a suite; what a suite uses but is not one lives outside (evaluation/recall_probes.py)."""
 import importlib
 import pkgutil
 import statistics
