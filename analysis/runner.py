@@ -1,12 +1,16 @@
-"""The one runner of train.py jobs (scripts/sweep.py and every study driver): each job a train.py process under a
+"""The one job runner (scripts/sweep.py and every study driver). run_jobs: each job a train.py process under a
 launcher (plain python or `accelerate launch`), `parallel` at once on cpu_count / parallel threads each, its console
 in <run_dir>.log beside the run dir; a failed job is reported and the others go on; Ctrl-C waits for the running
-jobs (they got the SIGINT too and checkpoint) and starts no more."""
+jobs (they got the SIGINT too and checkpoint) and starts no more. run_pending: each job a python callable in a fresh
+process, its result a line of a runs.jsonl log, for the studies that train models train.py cannot
+(studies/side_by_side.py)."""
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
+from multiprocessing import get_context
 from pathlib import Path
 
 from runs.metrics import read_metrics
@@ -99,3 +103,24 @@ def summary_lines(jobs: list[dict]) -> list[str]:
         lines.append(f"{j['name']:<32} {j['status']:<11} {j.get('seconds', 0):>8.0f} {loss:>9}")
     failed = [j["name"] for j in jobs if j["status"] != "ok"]
     return lines + [f"{len(jobs) - len(failed)}/{len(jobs)} ok" + (f"; not ok: {', '.join(failed)}" if failed else "")]
+
+
+def run_pending(jobs: list[dict], run, key, log: Path, parallel: int, describe) -> None:
+    """run(job) for each job whose key(job) is not in the runs.jsonl `log` yet, `parallel` at once, each in a fresh
+    process (maxtasksperchild=1: a job may patch modules for its whole process, as a side-by-side reference blocks
+    fla's import; leaving the block, or a kill, terminates the workers), each result appended to the log as it lands
+    and printed with describe(result) and its cpu_s."""
+    done = {key(r) for r in read_runs(log)}
+    todo = [j for j in jobs if key(j) not in done]
+    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {log}", flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped; {log} keeps the finished runs"))
+    with get_context("spawn").Pool(parallel, maxtasksperchild=1) as pool:
+        for i, r in enumerate(pool.imap_unordered(run, todo), 1):
+            with log.open("a") as fh:
+                fh.write(json.dumps(r) + "\n")
+            print(f"[{i}/{len(todo)}] {describe(r)} ({r['cpu_s']:.0f} CPU s)", flush=True)
+
+
+def read_runs(log: Path) -> list[dict]:
+    """run_pending's results in the runs.jsonl `log` (none when it is not there)."""
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []

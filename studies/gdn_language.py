@@ -8,7 +8,8 @@ defaults: head dim 64, value expansion 2, conv 4) and train on the same batches 
 seq_len 256, batch 8, one sequence per row as the reference cannot mask documents) with the same AdamW (betas 0.9,
 0.95; weight decay 0.1 on matrices only, the library's rule, training/optim.py param_groups), warm-up 10 steps,
 cosine to 0.1 lr, clipping at 1; val bpb over the first 160 val sequences (the trainer's 20 batches of 8), with
-the scorer the trainer uses. One thread and one fresh process per run.
+the scorer the trainer uses. One thread and one fresh process per run. The models, the training loop and the lr
+picker are studies/side_by_side.py's, the process pool analysis/runner.py's run_pending.
 
 Ours, by --variants (VARIANTS): `default` the library's start (parametrization tied, gdn's defaults: short-conv
 kernels N(0, 0.02) as both references) and changes to it: `conv_uniform` (the short-conv kernels at
@@ -25,20 +26,19 @@ side in runs.jsonl at --steps, each at its best lr, mean and min-max over seeds,
 the edge of the lrs tried) and curves.png (val bpb against steps at each side's best lr).
 """
 import argparse
-import math
 import shlex
 import sys
-import time
 from functools import partial
 from pathlib import Path
 
 import torch
 
-from analysis.best import best_value, edge_text
+from analysis.best import edge_text
+from analysis.runner import read_runs, run_pending
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
 from model.config import PARAMETRIZATIONS
 from model.layers import init_fan_in_uniform_
-from studies.mqar import Shape, ours, read_runs, reference, run_pending
+from studies.side_by_side import Shape, best_over_lr, ours, reference, train
 
 ROOT = Path(__file__).resolve().parents[1]
 D, SHAPE, BATCH, WARMUP, EVAL_SEQUENCES = 256, Shape(layers=4, heads=4, seq_len=256, intermediate_size=768), 8, 10, 160
@@ -114,25 +114,15 @@ def run(job: dict) -> dict:
     data = corpus(job["seed"], job["max_documents"])
     torch.manual_seed(job["seed"])
     model = build(job, data.vocab_size)
-    steps, lr = job["steps"], job["lr"]
-    opt = torch.optim.AdamW(param_groups(model.named_parameters(), 0.1), lr=lr, betas=(0.9, 0.95))
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / WARMUP if s < WARMUP else
-                                                 0.1 + 0.45 * (1 + math.cos(math.pi * (s - WARMUP) / max(1, steps - WARMUP))))
-    curve, start = [], time.process_time()
-    for step in range(steps):
-        ids = data.train.batch(global_batch(step, len(data.train), BATCH, job["seed"]))["input_ids"]
-        logits = model(input_ids=ids).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        if (step + 1) % job["eval_every"] == 0 or step + 1 == steps:
-            val = score_validation(model, data, BATCH, EVAL_SEQUENCES, torch.device("cpu"))
-            curve.append([step + 1, val["val/bpb"]])
-    return {**job, "bpb": curve[-1][1], "curve": curve, "cpu_s": round(time.process_time() - start, 1),
-            "params": sum(p.numel() for p in model.parameters())}
+
+    def batches(step):
+        ids = data.train.batch(global_batch(step - 1, len(data.train), BATCH, job["seed"]))["input_ids"]
+        return ids, ids
+
+    trained = train(model, param_groups(model.named_parameters(), 0.1), batches, job["steps"], job["lr"], WARMUP,
+                    lambda m: score_validation(m, data, BATCH, EVAL_SEQUENCES, torch.device("cpu")), job["eval_every"])
+    curve = [[step, val["val/bpb"]] for step, val in trained["evals"]]
+    return {**job, "bpb": curve[-1][1], "curve": curve, "cpu_s": trained["cpu_s"], "params": trained["params"]}
 
 
 def job_key(job: dict) -> tuple:
@@ -143,23 +133,11 @@ def side(job: dict) -> str:
     return job["impl"] if job["impl"] == REFERENCE else f"ours, {job['variant']}"
 
 
-def best_over_lr(runs: list[dict]) -> dict:
-    """The lr of the lowest mean final val bpb over the seeds every lr ran (analysis.best.best_value), with mean,
-    min-max, curves, the lrs tried and the edge flag."""
-    by_lr = {}
-    for r in runs:
-        by_lr.setdefault(r["lr"], []).append(r)
-    best = best_value({lr: [(r["seed"], r["bpb"]) for r in rs] for lr, rs in by_lr.items()}, higher_is_better=False)
-    bpbs = [r["bpb"] for r in by_lr[best.value]]
-    return {"lr": best.value, "mean": sum(bpbs) / len(bpbs), "lo": min(bpbs), "hi": max(bpbs), "seeds": len(bpbs),
-            "curves": [r["curve"] for r in by_lr[best.value]], "lrs": sorted(by_lr), "edge": best.edge}
-
-
 def summarize(runs: list[dict]) -> dict[str, dict]:
     sides = {}
     for r in runs:
         sides.setdefault(side(r), []).append(r)
-    return {name: best_over_lr(rs) for name, rs in sides.items()}
+    return {name: best_over_lr(rs, "bpb", higher_is_better=False) for name, rs in sides.items()}
 
 
 def write_table(best: dict[str, dict], steps: int, path: Path, rerun: str) -> None:

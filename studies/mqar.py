@@ -11,7 +11,8 @@ mamba2 -> Mamba2ForCausalLM (mixer-only layers, as mamba_ssm); linear -> fla's L
 on CUDA, and its Triton calls are swapped for torch: fla_linear_attention). Every model of one
 (width, lr, seed) trains on the same batches of experiment=mqar's data (configs/data/mqar.yaml,
 seq_len 64, batch 64) with the same AdamW (betas 0.9, 0.95, weight decay 0.1), 50 warm-up steps then
-cosine to 0.1 lr, clipping at 1, one thread and one fresh process per run.
+cosine to 0.1 lr, clipping at 1, one thread and one fresh process per run: the models, the training loop and the
+lr picker are studies/side_by_side.py's, the process pool analysis/runner.py's run_pending.
 
 Writes to --out: runs.jsonl (one line per run, with its accuracy curve; a rerun skips the runs it
 holds, so a second call with --seeds 1 and one lr per mixer adds a seed at the best lrs), table.md
@@ -23,24 +24,19 @@ runs.jsonl at --steps for the widths, mixers and parametrizations asked for.
 """
 import argparse
 import importlib.util
-import json
-import math
 import shlex
-import signal
 import sys
-import time
-from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 
 import torch
 
-from analysis.best import best_value, edge_text
+from analysis.best import edge_text
 from analysis.plots import style_mqar_axes
+from analysis.runner import read_runs, run_pending
 from analysis.summary import decode_state_numbers
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
-from model import DecoderLM, LMConfig
 from model.config import PARAMETRIZATIONS, PER_MIXER
+from studies.side_by_side import Shape, best_over_lr, ours, reference, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,82 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = {"softmax": "llama", "gdn": "qwen3_next_gdn", "derived_gdn": "qwen3_next_gdn", "mamba2": "mamba2",
              "linear": "fla_linear_attn"}
 MIXERS = tuple(REFERENCE)
-LAYERS, HEADS, SEQ_LEN, BATCH, WARMUP = 2, 2, 64, 64, 50
-
-
-@dataclass(frozen=True)
-class Shape:
-    """What ours and its reference share: layers, heads, the longest sequence, the FFN width (None: LMConfig's)."""
-    layers: int = LAYERS
-    heads: int = HEADS
-    seq_len: int = SEQ_LEN
-    intermediate_size: int | None = None
-
-
-def ours(mixer: str, vocab: int, d: int, parametrization: str, shape: Shape = Shape()):
-    return DecoderLM(LMConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=shape.layers,
-                              num_attention_heads=shape.heads, max_position_embeddings=shape.seq_len,
-                              intermediate_size=shape.intermediate_size, mixer=mixer, parametrization=parametrization))
-
-
-def reference(name: str, vocab: int, d: int, shape: Shape = Shape()):
-    """The reference model (transformers', or fla's for linear) of the same shape as ours (heads, head and state
-    widths, FFN width), at its own init (and untied embeddings where its config's default is)."""
-    if name == "qwen3_next_gdn":  # its GDN ops bind to fla's Triton kernels at import when fla is there: take the torch ones
-        sys.modules["fla"] = None
-    from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, Qwen3NextConfig,
-                              Qwen3NextForCausalLM)
-
-    mine = ours({"llama": "softmax", "qwen3_next_gdn": "gdn", "mamba2": "mamba2", "fla_linear_attn": "linear"}[name],
-                vocab, d, PER_MIXER, shape)
-    common = dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=shape.layers, pad_token_id=0, bos_token_id=0,
-                  eos_token_id=0, use_cache=False)
-    if name == "fla_linear_attn":
-        return fla_linear_attention(common, mine.config.intermediate_size, shape)
-    if name == "llama":
-        return LlamaForCausalLM(LlamaConfig(**common, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
-                                            intermediate_size=mine.config.intermediate_size,
-                                            max_position_embeddings=shape.seq_len))
-    if name == "qwen3_next_gdn":
-        gdn = mine.layers[0].mixer
-        return Qwen3NextForCausalLM(Qwen3NextConfig(
-            **common, layer_types=["linear_attention"] * shape.layers, num_experts=0,
-            intermediate_size=mine.config.intermediate_size, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
-            linear_num_key_heads=gdn.num_heads, linear_key_head_dim=gdn.head_dim, linear_num_value_heads=gdn.num_v_heads,
-            linear_value_head_dim=gdn.head_v_dim, linear_conv_kernel_dim=gdn.conv_size, max_position_embeddings=shape.seq_len))
-    m = mine.layers[0].mixer
-    return Mamba2ForCausalLM(Mamba2Config(**common, expand=m.d_inner // d, head_dim=m.head_dim, num_heads=m.num_heads,
-                                          state_size=m.state_size, n_groups=m.n_groups, conv_kernel=m.conv.kernel_size,
-                                          chunk_size=m.chunk_size, tie_word_embeddings=True))
-
-
-def fla_linear_attention(common: dict, intermediate_size: int, shape: Shape):
-    """fla's LinearAttentionForCausalLM at its defaults (a learned Hadamard feature map, no normaliser, a per-head
-    output RMSNorm, no rotary, fla's init), with torch's norms and loss where its config offers fused ones, and
-    its Triton calls, which raise on a CPU, replaced by the same math: fla's own reference recurrence
-    (fla/ops/linear_attn/naive.py) for its linear-attention kernels, nn.RMSNorm (weight at 1, as fla's) for the
-    attention's output norm, silu(gate) * up for the MLP's swiglu."""
-    import fla.layers.linear_attn as fla_layer
-    import fla.modules.mlp as fla_mlp
-    from fla.models import LinearAttentionConfig, LinearAttentionForCausalLM
-    from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
-
-    def linear_attn(q, k, v, initial_state=None, output_final_state=False, normalize=False, cu_seqlens=None):
-        assert cu_seqlens is None, "one sequence per row"
-        return naive_recurrent_linear_attn(q, k, v, initial_state=initial_state,
-                                           output_final_state=output_final_state, normalize=normalize)
-
-    # patched in fla's modules, so for this whole process: each run has its own (run(), maxtasksperchild=1).
-    # The layer's three modes: chunk when training, fused_recurrent for a no-grad T <= 64, else fused_chunk.
-    fla_layer.chunk_linear_attn = fla_layer.fused_chunk_linear_attn = fla_layer.fused_recurrent_linear_attn = linear_attn
-    fla_mlp.swiglu = lambda gate, up: torch.nn.functional.silu(gate) * up
-    model = LinearAttentionForCausalLM(LinearAttentionConfig(
-        **common, attn_mode="chunk", num_heads=shape.heads, intermediate_size=intermediate_size,
-        max_position_embeddings=shape.seq_len, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False))
-    for block in model.model.layers:
-        fused = block.attn.norm
-        block.attn.norm = torch.nn.RMSNorm(fused.hidden_size, eps=fused.eps)
-    return model
+SHAPE, BATCH, WARMUP = Shape(layers=2, heads=2, seq_len=64), 64, 50
 
 
 def run(job: dict) -> dict:
@@ -132,10 +53,21 @@ def run(job: dict) -> dict:
     data = mqar_data(job["seed"])
     torch.manual_seed(job["seed"])
     if job["impl"] == "ours":
-        model = ours(job["mixer"], data.vocab_size, job["d"], job["parametrization"])
+        model = ours(job["mixer"], data.vocab_size, job["d"], job["parametrization"], SHAPE)
     else:
-        model = reference(job["impl"], data.vocab_size, job["d"])
-    return {**job, **train(model, data, job)}
+        model = reference(job["impl"], data.vocab_size, job["d"], SHAPE)
+    g = torch.Generator().manual_seed(job["seed"])
+
+    def batches(step):
+        batch = data.train.batch(torch.randint(0, len(data.train), (BATCH,), generator=g))
+        return batch["input_ids"], batch["labels"]
+
+    trained = train(model, model.parameters(), batches, job["steps"], job["lr"], WARMUP,
+                    lambda m: data.extra_eval(m, torch.device("cpu")), job["eval_every"])
+    curve = [[step, acc["val/mqar_acc"]] for step, acc in trained["evals"]]
+    last = trained["evals"][-1][1]
+    return {**job, "acc": curve[-1][1], "slices": {k.split("/")[-1]: v for k, v in last.items() if k.count("/") == 2},
+            "curve": curve, "cpu_s": trained["cpu_s"], "params": trained["params"]}
 
 
 def mqar_data(seed: int):
@@ -143,53 +75,11 @@ def mqar_data(seed: int):
 
     from data.mqar import build_mqar
 
-    return build_mqar(OmegaConf.load(ROOT / "configs" / "data" / "mqar.yaml"), seq_len=SEQ_LEN, seed=seed)
-
-
-def train(model, data, job: dict) -> dict:
-    steps, lr = job["steps"], job["lr"]
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: (s + 1) / WARMUP if s < WARMUP else
-                                                 0.1 + 0.45 * (1 + math.cos(math.pi * (s - WARMUP) / max(1, steps - WARMUP))))
-    g = torch.Generator().manual_seed(job["seed"])
-    curve, start = [], time.process_time()
-    model.train()
-    for step in range(1, steps + 1):
-        batch = data.train.batch(torch.randint(0, len(data.train), (BATCH,), generator=g))
-        logits = model(input_ids=batch["input_ids"]).logits[:, :-1]
-        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"][:, 1:].flatten(), ignore_index=-100)
-        opt.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        schedule.step()
-        if step % job["eval_every"] == 0 or step == steps:
-            acc = data.extra_eval(model, torch.device("cpu"))
-            curve.append([step, acc["val/mqar_acc"]])
-    return {"acc": curve[-1][1], "slices": {k.split("/")[-1]: v for k, v in acc.items() if k.count("/") == 2},
-            "curve": curve, "cpu_s": round(time.process_time() - start, 1),
-            "params": sum(p.numel() for p in model.parameters())}
+    return build_mqar(OmegaConf.load(ROOT / "configs" / "data" / "mqar.yaml"), seq_len=SHAPE.seq_len, seed=seed)
 
 
 def job_key(job: dict) -> tuple:
     return tuple(job[k] for k in ("impl", "mixer", "parametrization", "d", "lr", "seed", "steps"))
-
-
-def best_over_lr(runs: list[dict]) -> dict | None:
-    """The lr with the highest mean final accuracy (analysis.best.best_value, on the seeds every lr ran): {lr, mean,
-    lo, hi, seeds, curves, lrs, edge, beyond}, mean and min-max over every seed at that lr; edge and beyond as
-    grid_edge gives them (the best at the low or high edge of the lrs tried, or the only one, and the lrs one step
-    beyond it)."""
-    by_lr = {}
-    for r in runs:
-        by_lr.setdefault(r["lr"], []).append(r)
-    best = best_value({lr: [(r["seed"], r["acc"]) for r in rs] for lr, rs in by_lr.items()}, higher_is_better=True)
-    if best is None:
-        return None
-    accs = [r["acc"] for r in by_lr[best.value]]
-    return {"lr": best.value, "mean": sum(accs) / len(accs), "lo": min(accs), "hi": max(accs), "seeds": len(accs),
-            "curves": [r["curve"] for r in by_lr[best.value]], "lrs": sorted(by_lr), "edge": best.edge,
-            "beyond": best.beyond}
 
 
 def summarize(runs: list[dict]) -> list[dict]:
@@ -197,10 +87,10 @@ def summarize(runs: list[dict]) -> list[dict]:
     rows = []
     for d in sorted({r["d"] for r in runs}):
         for mixer in [m for m in MIXERS if any(r["mixer"] == m for r in runs)]:
-            ref = best_over_lr([r for r in runs if r["impl"] == REFERENCE.get(mixer) and r["d"] == d])
+            ref = best_over_lr([r for r in runs if r["impl"] == REFERENCE.get(mixer) and r["d"] == d], "acc", True)
             for par in sorted({r["parametrization"] for r in runs if r["mixer"] == mixer}):
                 mine = best_over_lr([r for r in runs if r["impl"] == "ours" and r["mixer"] == mixer and r["d"] == d
-                                     and r["parametrization"] == par])
+                                     and r["parametrization"] == par], "acc", True)
                 if mine:
                     rows.append({"mixer": mixer, "d": d, "parametrization": par, "ours": mine,
                                  "reference": REFERENCE.get(mixer) if ref else None, "ref": ref,
@@ -289,7 +179,7 @@ def plot_zoology(rows: list[dict], out: Path) -> list[Path]:
             style.add(label, mixer)
             points = []
             for r in (r for r in rows if r["mixer"] == mixer and r["parametrization"] == par):
-                x = r["d"] if key == "d" else decode_state_numbers(ours(mixer, 64, r["d"], par), SEQ_LEN)
+                x = r["d"] if key == "d" else decode_state_numbers(ours(mixer, 64, r["d"], par, SHAPE), SHAPE.seq_len)
                 points.append([(x, curve[-1][1]) for curve in r["ours"]["curves"]])  # each seed's final accuracy
             mean_band(ax, points, label, style(label))
         style_mqar_axes(ax, xlabel)
@@ -351,25 +241,6 @@ def main(argv=None) -> int:
     plot_zoology(rows, out)
     print((out / "table.md").read_text() + f"wrote table.md, curves.png, mqar_state.png and mqar_width.png in {out}")
     return 0
-
-
-def run_pending(jobs: list[dict], run, key, log: Path, parallel: int, describe) -> None:
-    """run(job) for each job whose key(job) is not in the runs.jsonl `log` yet, `parallel` at once, each in a fresh
-    process (maxtasksperchild=1: a reference's import blocks fla for its process; leaving the block, or a kill,
-    terminates the workers), each result appended to the log as it lands and printed with describe(result)."""
-    done = {key(r) for r in read_runs(log)}
-    todo = [j for j in jobs if key(j) not in done]
-    print(f"{len(jobs)} runs, {len(jobs) - len(todo)} already in {log}", flush=True)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(f"stopped; {log} keeps the finished runs"))
-    with get_context("spawn").Pool(parallel, maxtasksperchild=1) as pool:
-        for i, r in enumerate(pool.imap_unordered(run, todo), 1):
-            with log.open("a") as fh:
-                fh.write(json.dumps(r) + "\n")
-            print(f"[{i}/{len(todo)}] {describe(r)} ({r['cpu_s']:.0f} CPU s)", flush=True)
-
-
-def read_runs(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 if __name__ == "__main__":

@@ -10,10 +10,10 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.slow
 
-# Runs in a fresh process: the Qwen3-Next reference blocks fla's import for its process (studies/mqar.py reference).
+# Runs in a fresh process: the Qwen3-Next reference blocks fla's import for its process (studies/side_by_side.py reference).
 QWEN3_NEXT_GDN = r'''
 import torch
-from studies.mqar import Shape, ours, reference
+from studies.side_by_side import Shape, ours, reference
 
 torch.manual_seed(0)
 shape = Shape(layers=2, heads=2, seq_len=80, intermediate_size=96)
