@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig
 
 from evaluation.run import register_hydra
-from training.validation import error_message
+from common.validation import error_message
 
 register_hydra()
 
@@ -22,7 +22,7 @@ def evaluate_checkpoint(cfg: DictConfig) -> dict:
 
     from evaluation.run import evaluate
     from runs.checkpoint import load_lm, weights_dir
-    from training.validation import check_eval_config
+    from evaluation.validation import check_eval_config
 
     check_eval_config(cfg)
     folder = weights_dir(cfg.checkpoint)

@@ -11,7 +11,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from runs.config import check_group_overrides, register_hydra
-from training.validation import error_message
+from common.validation import error_message
 
 register_hydra()
 

@@ -9,7 +9,7 @@ from functools import cached_property
 
 from analysis.runs import Run, cfg_get
 from analysis.summary import budget, budget_line, fmt
-from training.validation import leaves
+from common.validation import leaves
 
 RUN_ONLY = ("seed", "run_dir", "resume", "init_from", "name")  # a run's own keys: not in the command that extends a grid
 RUN_KEYS = (*RUN_ONLY, "logger")  # differ between runs of one architecture

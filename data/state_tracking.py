@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from common.validation import Problems, Rule, positive
 from data.registry import DATASETS
 from data.types import Data, Split
 
@@ -68,7 +69,7 @@ def permutation_group(n: int, even_only: bool) -> Group:
 
 
 def build_group(task: str, modulus: int) -> Group:
-    """The group of data.task (one of TASKS, checked with the config: training/validation.py)."""
+    """The group of data.task (one of TASKS, checked with the config: RULES)."""
     return {"parity": lambda: cyclic_group(2), "mod_count": lambda: cyclic_group(modulus),
             "s3": lambda: permutation_group(3, False), "s4": lambda: permutation_group(4, False),
             "a5": lambda: permutation_group(5, True),
@@ -100,6 +101,28 @@ def labelled(ids: np.ndarray, products: np.ndarray) -> Split:
 def eval_length(seq_len: int) -> int:
     """The test sequences' length: the longest band's end."""
     return max(EVAL_FACTORS) * seq_len
+
+
+# its keys in a train.py or eval.py config (common/validation.py; data/options.py holds the other data.* keys)
+RULES = {
+    "data.task": Rule(str, choices=TASKS),
+    "data.modulus": Rule(int, at_least=2),
+    "data.train_examples": positive(),
+    "data.test_examples": positive(),
+}
+
+
+def cross_checks(config: dict, problems: Problems) -> None:
+    """With data=state_tracking, the model's positions reach the longest test sequence (eval_length)."""
+    if (config["data"]["name"] != "state_tracking"
+            or not problems.fine("trainer.seq_len", "model.max_position_embeddings")):
+        return
+    seq_len, positions = config["trainer"]["seq_len"], config["model"]["max_position_embeddings"]
+    if (longest := eval_length(seq_len)) > positions:
+        factor = longest // seq_len
+        problems.add(f"trainer.seq_len={seq_len}; valid with data=state_tracking (tested at {factor} x "
+                     f"trainer.seq_len = {longest} tokens): <= model.max_position_embeddings / {factor} = "
+                     f"{positions // factor}")
 
 
 def band_metrics(correct_per_position: torch.Tensor, seq_len: int) -> dict:

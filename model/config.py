@@ -3,7 +3,8 @@ from dataclasses import dataclass
 
 from transformers import PretrainedConfig
 
-from model.options import parse_options
+from common.validation import Problems, Rule, positive
+from model.options import block_problems, parse_options
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,33 @@ PARAMETRIZATIONS = {
 PER_MIXER = "per_mixer"
 UNDECLARED_PARAMETRIZATION = "llama"  # per_mixer's for a mixer that declares none (it starts as attention)
 
+
+# model.* of a train.py config (common/validation.py); the blocks' names and options: model/options.py
+RULES = {
+    "model.hidden_size": positive(),
+    "model.num_hidden_layers": positive(),
+    "model.num_attention_heads": positive(),
+    "model.num_key_value_heads": positive(nullable=True),
+    "model.intermediate_size": positive(nullable=True),
+    "model.max_position_embeddings": Rule(int, at_least=2),
+    "model.parametrization": Rule(str, choices=(PER_MIXER, *PARAMETRIZATIONS)),
+    "model.tie_word_embeddings": Rule(bool, nullable=True),  # null: the parametrization's
+}
+
+
+def cross_checks(config: dict, problems: Problems) -> None:
+    """The blocks (model/options.py block_problems), then the head counts against the width and each other."""
+    problems.lines += block_problems(config)
+    m = config["model"]
+    if (problems.fine("model.hidden_size", "model.num_attention_heads")
+            and m["hidden_size"] % m["num_attention_heads"]):
+        problems.add(f"model.hidden_size={m['hidden_size']} does not split into model.num_attention_heads="
+                     f"{m['num_attention_heads']} heads; valid: a multiple of {m['num_attention_heads']}",
+                     "model.hidden_size", "model.num_attention_heads")
+    if (problems.fine("model.num_key_value_heads", "model.num_attention_heads") and m["num_key_value_heads"]
+            and m["num_attention_heads"] % m["num_key_value_heads"]):
+        problems.add(f"model.num_key_value_heads={m['num_key_value_heads']}; valid: a divisor of "
+                     f"model.num_attention_heads={m['num_attention_heads']}")
 
 class LMConfig(PretrainedConfig):
     model_type = "swaplm"

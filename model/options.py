@@ -1,21 +1,25 @@
 """Block options. A block with options declares them once, as a dataclass in its own file (the class
 attribute `Options` of the block, fields built with `option`); `parse_options` builds it from a
-config's dict and is the one place its values are checked. Hydra reads the same dataclasses
-(training/config.py stores them as the schema of configs/mixer/*.yaml and configs/ffn/*.yaml
-`options`), and LMConfig keeps them as plain dicts, as config.json stores them. A dict field holds the
-options of a part the block picks by another option (the MoE's router_options, checked by the router's
-own Options).
+config's dict and is the one place its values are checked, each field against its Rule
+(common/validation.py). Hydra reads the same dataclasses (runs/config.py stores them as the schema of
+configs/mixer/*.yaml and configs/ffn/*.yaml `options`), and LMConfig keeps them as plain dicts, as config.json
+stores them. A dict field holds the options of a part the block picks by another option (the MoE's
+router_options, checked by the router's own Options). block_problems checks a train.py config's blocks: their
+names and options.
 
 Checks that need the model's config (a head count dividing a width) stay in the block, with the
 message `bad_option` writes."""
 import dataclasses
 import typing
 
+from common.validation import Rule
+
 
 def option(default, *, choices: tuple | None = None, at_least: float | None = None, above: float | None = None,
            at_most: float | None = None):
     """A dataclass field: its default and its valid values (one of `choices`, or a number >= at_least / > above /
-    <= at_most); for a list option (annotated list[...]), of each element."""
+    <= at_most), the Rule (common/validation.py) of its annotated type; for a list option (annotated list[...]),
+    of each element."""
     metadata = {"choices": choices, "at_least": at_least, "above": above, "at_most": at_most}
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
@@ -58,21 +62,33 @@ def _problem(block: str, f: dataclasses.Field, annotation, value) -> str | None:
         return next((line for element in value
                      if (line := _problem(block, f, typing.get_args(annotation)[0], element)) is not None), None)
     allowed = typing.get_args(annotation) or (annotation,)  # int | None -> (int, NoneType)
-    nullable = type(None) in allowed
-    if value is None and nullable:
+    rule = Rule(next(t for t in allowed if t is not type(None)), nullable=type(None) in allowed, **f.metadata)
+    if rule.accepts(value):
         return None
-    kind = next(t for t in allowed if t is not type(None))
-    choices, at_least, above, at_most = (f.metadata.get(k) for k in ("choices", "at_least", "above", "at_most"))
-    if choices is not None:
-        return None if value in choices else f"unknown {block} {f.name} {value!r}; valid: {', '.join(map(str, choices))}"
-    # bool is an int to Python, not to a config; an int is a valid float
-    ok = isinstance(value, bool) if kind is bool else (
-        isinstance(value, (int, float) if kind is float else kind) and not isinstance(value, bool))
-    ok = ok and (at_least is None or value >= at_least) and (above is None or value > above) and (
-        at_most is None or value <= at_most)
-    if ok:
-        return None
-    bounds = [f"{sign} {bound}" for sign, bound in ((">=", at_least), (">", above), ("<=", at_most)) if bound is not None]
-    valid = " ".join([{bool: "true or false", int: "an integer", float: "a number", str: "a string", dict: "a mapping"}[kind],
-                      " and ".join(bounds)]).strip()
-    return str(bad_option(block, f.name, value, valid + (" or null" if nullable else "")))
+    if rule.choices is not None:
+        return f"unknown {block} {f.name} {value!r}; valid: {rule.listed_choices()}"
+    return str(bad_option(block, f.name, value, rule.valid()))
+
+
+def block_problems(config: dict) -> list[str]:
+    """The layers' block names in a train.py config (model.mixer / model.ffn: one, or one per layer) and the chosen
+    blocks' options (mixer.options, ffn.options, each checked by the block's Options: option_problems)."""
+    from model.registry import FFNS, MIXERS
+
+    problems, m = [], config["model"]
+    for group, registry in (("mixer", MIXERS), ("ffn", FFNS)):
+        given, name = m.get(group), config[group]["name"]
+        if isinstance(given, list) and len(given) != m["num_hidden_layers"]:
+            problems.append(f"model.{group} lists {len(given)} layers; valid: one name per layer "
+                            f"(model.num_hidden_layers={m['num_hidden_layers']}), one name, or null")
+        names = list(given) if isinstance(given, list) else [given or name]
+        for unknown in dict.fromkeys(n for n in names if n not in registry.names()):
+            problems.append(f"model.{group}: unknown {group} {unknown!r}; valid: {', '.join(registry.names())}")
+        if name not in registry.names():
+            continue
+        options, given_options = getattr(registry.get(name), "Options", None), config[group]["options"]
+        if options is None and given_options:
+            problems.append(f"{group}.options: {name} takes no options; given {sorted(given_options)}")
+        elif options is not None:
+            problems += [f"{group}.options: {line}" for line in option_problems(name, options, given_options)]
+    return problems

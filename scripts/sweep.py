@@ -23,7 +23,7 @@ from analysis.runner import LAUNCHERS, ROOT, launcher_command, run_jobs, summary
 from runs.config import check_group_overrides, compose, meta_model
 from runs.sweep import sweep_jobs
 from training.jobs import check_job
-from training.validation import error_message
+from common.validation import error_message
 
 MATCH = ("none", "active", "total")
 

@@ -13,7 +13,7 @@ model/ops/gated_delta.py derived_gated_delta_rule) approximate softmax attention
     ||y - y_teacher|| / ||y_teacher|| against the teacher's attention output, for VaLA (a quadratic-time
     reference core defined here), the `linear` mixer (elu+1, normalised) and derived GDN (exact and clamped),
     each zero-shot over the teacher's projections, and for each --students run as trained (a linearize run,
-    e.g. one that ran only its transfer stage: training/objectives/linearize.py logs the same error while it trains).
+    e.g. one that ran only its transfer stage: training/objectives/linearize/ logs the same error while it trains).
     Writes layer_errors.md and a PNG. Linearizing the whole model (val loss zero-shot and after each stage) is
     train.py's: python train.py experiment=linearize init_from=<softmax run> (docs/linearize.md).
 
@@ -184,9 +184,10 @@ def val_batches(teacher_dir: Path, sequences: int, batch_size: int) -> list[dict
 def layer_errors(teacher: DecoderLM, models: dict[str, DecoderLM], batches: list[dict]) -> tuple[dict, list[float]]:
     """({name: per layer ||y - y_teacher|| / ||y_teacher||}, per layer the std of the teacher's attention logits
     q.k / sqrt(d) over the pairs it attends): each model's mixer of layer i run on the teacher's own input to its
-    layer-i attention, against the teacher's attention output (training/objectives/linearize.py's transfer error), over all
-    the batches. The logit std is part (a)'s logit scale s for unit-variance q and k."""
-    from training.objectives.linearize import mixer_io
+    layer-i attention, against the teacher's attention output (the transfer error of
+    training/objectives/linearize/linearization.py), over all the batches. The logit std is part (a)'s logit scale
+    s for unit-variance q and k."""
+    from training.objectives.linearize.losses import mixer_io
 
     L = teacher.config.num_hidden_layers
     sq_err = {name: torch.zeros(L, dtype=torch.float64) for name in models}

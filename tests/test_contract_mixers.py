@@ -174,7 +174,7 @@ def test_the_output_leaves_through_the_named_projection(name):
     linearize.transfer_target=mixer_core fits) gives the mixer's output exactly as W c, on packed documents."""
     from model.layers import AuxCollector
     from model.segments import DocumentSegments
-    from training.objectives.linearize import mixer_cores
+    from training.objectives.linearize.losses import mixer_cores
 
     mixer = lm([name]).layers[0].mixer
     projection = getattr(mixer, mixer.output_projection)

@@ -107,7 +107,7 @@ def check_train(args: list[str]) -> None:
 def check_eval(args: list[str]) -> None:
     from hydra import compose
 
-    from training.validation import check_eval_config
+    from evaluation.validation import check_eval_config
 
     check_eval_config(compose("eval", args))
 

@@ -26,7 +26,7 @@ from evaluation.recall_probes import (copy_example, copy_losses, filler_stream, 
 from evaluation.suites.recall import Recall, RecallOptions
 from model.lm import DecodeCache
 from model.options import parse_options
-from training.validation import check_eval_config
+from evaluation.validation import check_eval_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -220,7 +220,7 @@ def test_tied_lm_head_trains_with_the_embedding():
 def test_linearization_stages_charge_the_teacher_once_and_what_trains_thrice():
     """transfer: teacher forward (lm_head on one token) + student forward + each student mixer again (3x where
     the transfer trains it); distill: teacher forward + the student's step; finetune: the student's step."""
-    from training.objectives.linearize import Linearization
+    from training.objectives.linearize.linearization import Linearization
 
     lc = OmegaConf.create({"transfer_steps": 2, "transfer_loss": "mse", "transfer_trains": "new",
                            "transfer_target": "mixer_core", "distill_steps": 2, "temperature": 1.0, "ce_weight": 0.0})

@@ -1,4 +1,4 @@
-"""training/objectives/linearize.py: the student takes every teacher tensor (GQA key/value heads repeated where the
+"""training/objectives/linearize/: the student takes every teacher tensor (GQA key/value heads repeated where the
 student has one per query head), a softmax student of a softmax teacher has transfer loss and KL exactly 0
 (and a linearized one does not), the transfer stage gives gradients to exactly the parameters it names,
 the distillation KL against a hand computation; through train.py: the stages under 2-process DDP equal 1
@@ -21,8 +21,10 @@ from omegaconf import OmegaConf
 from conftest import ROOT, TINY, ddp_launcher, run_train, train_here
 from model import DecoderLM, LMConfig
 from runs.checkpoint import load_matching_weights
-from training.objectives.linearize import (Linearization, distill_kl, kl_with_each_layer_softmax, load_teacher,
-                                          parse_keep_softmax, teacher_state_for, with_softmax_layers)
+from training.objectives.linearize.linearization import Linearization
+from training.objectives.linearize.losses import distill_kl
+from training.objectives.linearize.teacher import (kl_with_each_layer_softmax, load_teacher, parse_keep_softmax,
+                                                   teacher_state_for, with_softmax_layers)
 from runs.metrics import read_metrics
 
 SHAPE = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -186,7 +188,7 @@ def test_mixer_core_fits_the_input_of_o_proj():
     out_lin, _ = student_of(source, "derived_gdn")
     lin.set_stage("transfer"), out_lin.set_stage("transfer")
     data = batch()
-    from training.objectives.linearize import mixer_io
+    from training.objectives.linearize.losses import mixer_io
 
     with torch.no_grad(), mixer_io(source) as io:
         source(data["input_ids"], position_ids=data["position_ids"])
@@ -210,7 +212,7 @@ def test_mixer_core_fits_the_input_of_o_proj():
 def test_mixer_core_with_nothing_to_train_skips_the_transfer_stage():
     """derived_gdn adds no parameters: under mixer_core nothing trains, the stage is skipped (distill starts at
     step 1, the finetune stage gets the transfer's steps) and the plan says so in one line."""
-    from training.objectives.linearize import stage_at, stage_ends
+    from training.objectives.linearize.stages import stage_at, stage_ends
 
     lin, _ = student_of(teacher(), "derived_gdn", CORE)
     assert lin.transfer_parameters == [] and lin.plan.transfer_steps == 0

@@ -1,5 +1,6 @@
 """Every bad trainer, model, data, optimizer and eval value is one line naming the key, the value and what
-is valid, before anything is written (training/validation.py); a resumed run takes its saved config,
+is valid, before anything is written (training/validation.py composes every component's rules, TRAIN_RULES;
+evaluation/validation.py eval.py's); a resumed run takes its saved config,
 with only what may change on resume (training/config.py config_for_resume)."""
 import copy
 import functools
@@ -10,13 +11,14 @@ import sys
 import pytest
 from omegaconf import OmegaConf
 
+from common.validation import leaves, rule_for
 from conftest import ROOT
 from evaluation.suites import SUITES
+from evaluation.validation import EVAL_RULES, check_eval_config
 from model.registry import MIXERS
 from runs.config import compose, group_choices
 from training.config import config_for_resume
-from training.validation import (EVAL_RULES, TRAIN_RULES, check_eval_config, check_train_config, leaves, rule_for,
-                                 train_config_problems)
+from training.validation import TRAIN_RULES, check_train_config, train_config_problems
 
 
 @functools.cache
@@ -41,7 +43,7 @@ def every_train_config():
 @pytest.mark.slow
 def test_every_number_and_flag_has_a_rule():
     """A new option cannot go unchecked: every int, float or bool in any composed config (and in eval's)
-    is covered by a rule (block and suite options are their dataclasses' business)."""
+    is covered by a rule of the composed set (block and suite options are their dataclasses' business)."""
     unchecked = set()
     for cfg in every_train_config():
         for key, value in leaves(OmegaConf.to_container(cfg, resolve=True)).items():

@@ -31,7 +31,7 @@ def config_for_resume(cfg, saved, overrides: list[str], saved_path: Path):
     this config's value (e.g. trainer.context_parallel, 1 by default)."""
     from omegaconf import OmegaConf
 
-    from training.validation import leaves
+    from common.validation import leaves
 
     given = {key for key in map(override_key, overrides) if not key.startswith("hydra.")}
     if "experiment" in given:  # an experiment sets keys anywhere: it is given, or it is the same one

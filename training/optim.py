@@ -6,8 +6,18 @@ from accelerate.utils import DistributedType
 from torch.optim._muon import _adjust_lr
 from transformers import get_constant_schedule_with_warmup, get_cosine_with_min_lr_schedule_with_warmup, get_wsd_schedule
 
+from common.validation import FLAG, Rule, positive
+
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd", "constant")
+# optimizer.* of a train.py config (common/validation.py), [] standing for any index of a list
+RULES = {
+    "optimizer.weight_decay": Rule(float, at_least=0),
+    "optimizer.momentum": Rule(float, at_least=0, below=1),
+    "optimizer.nesterov": FLAG,
+    "optimizer.ns_steps": positive(),
+    "optimizer.betas[]": Rule(float, at_least=0, below=1),
+}
 # Gate / decay parameters of the linear mixers: never decayed (they set time constants, not features).
 NO_DECAY_NAMES = ("A_log", "dt_bias", "D")
 

@@ -1,5 +1,6 @@
-"""Training objectives: what a run minimises, chosen by `objective=<name>` (configs/train.yaml), one file each
-here, registered by name (`@OBJECTIVES.register("<name>")`): a new objective is its file and its config keys.
+"""Training objectives: what a run minimises, chosen by `objective=<name>` (configs/train.yaml), one module
+each here (a file, or a package: linearize/), registered by name (`@OBJECTIVES.register("<name>")`): a new objective
+is its module and its config keys, with their rules.
 
 The loop (training/loop.py) sees only this interface:
 
@@ -20,6 +21,13 @@ The loop (training/loop.py) sees only this interface:
                                   the model's parts at 3x forward where they train and 1x where frozen, plus
                                   whatever else the objective runs (a teacher's forward)
 
+and train.py's config check (training/validation.py) reads, of every registered objective (their keys are in every
+config, whichever objective it names):
+
+    Objective.rules               {dotted key: Rule} of its own config keys (common/validation.py)
+    Objective.cross_checks(config, problems)   its checks between keys (config: the resolved config as dicts)
+    Objective.steps_problems(config) -> [line]   its checks that need trainer.max_steps
+
 The base class is the language-modelling loss itself (`objective=lm`, model/lm.py: CE + the blocks' aux losses)."""
 import importlib
 import pkgutil
@@ -36,6 +44,15 @@ class Objective:
     """Next-token cross-entropy plus the blocks' aux losses, on the model itself."""
     evaluates_at_start = False
     start_metrics: dict = {}
+    rules: dict = {}
+
+    @staticmethod
+    def cross_checks(config: dict, problems) -> None:
+        pass
+
+    @staticmethod
+    def steps_problems(config: dict) -> list[str]:
+        return []
 
     def __init__(self, cfg, lm: nn.Module, state, data):
         from runs.checkpoint import load_matching_weights
