@@ -1,6 +1,7 @@
 """Ours against the reference implementations the studies train beside it (studies/mqar.py, studies/gdn_language.py):
 with the reference's weights loaded into ours, the two compute the same logits, so a gap between them in a study
-is their starts' (init, parametrization), never their forwards'."""
+is their starts' (init, parametrization), never their forwards'; and the lr schedule both train under
+(studies/side_by_side.py)."""
 import subprocess
 import sys
 
@@ -59,3 +60,18 @@ def test_gdn_computes_qwen3_next_gdn_with_its_weights():
     words = out.stdout.split()
     diff, scale = float(words[words.index("max_abs_diff") + 1]), float(words[words.index("scale") + 1])
     assert scale > 1 and diff < 1e-5 * scale, out.stdout
+
+
+def test_side_by_side_schedule():
+    """The studies' lr factor: (s + 1) / warmup over the warm-up, then transformers' cosine to 0.1 step for step
+    (get_cosine_with_min_lr_schedule_with_warmup, whose warm-up starts at 0 instead), 0.1 at the last step."""
+    import torch
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from studies.side_by_side import warmup_cosine
+
+    opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    theirs = get_cosine_with_min_lr_schedule_with_warmup(opt, 10, 50, min_lr_rate=0.1).lr_lambdas[0]
+    assert [warmup_cosine(s, 10, 50) for s in (0, 9)] == [0.1, 1.0]
+    assert all(warmup_cosine(s, 10, 50) == pytest.approx(theirs(s)) for s in range(10, 51))
+    assert warmup_cosine(50, 10, 50) == pytest.approx(0.1)
