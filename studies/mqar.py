@@ -8,7 +8,7 @@ transformers' own models with their own init, shaped like ours: softmax -> Llama
 derived_gdn (a gated delta rule) -> Qwen3-Next with every layer a Gated DeltaNet layer and a dense MLP;
 mamba2 -> Mamba2ForCausalLM (mixer-only layers, as mamba_ssm); linear -> fla's LinearAttentionForCausalLM
 (transformers has no linear attention; fla comes with requirements-test.txt on a CPU, requirements-gpu.txt
-on CUDA, and its Triton calls are swapped for torch: fla_linear_attention). Every model of one
+on CUDA, and its Triton calls are swapped for torch: side_by_side.fla_linear_attention). Every model of one
 (width, lr, seed) trains on the same batches of experiment=mqar's data (configs/data/mqar.yaml,
 seq_len 64, batch 64) with the same AdamW (betas 0.9, 0.95, weight decay 0.1), 50 warm-up steps then
 cosine to 0.1 lr, clipping at 1, one thread and one fresh process per run: the models, the training loop and the
