@@ -49,18 +49,19 @@ def option_problems(block: str, options_class, given: dict | None, parts: bool =
     problems = [f"unknown {block} option(s) {unknown}; valid: {', '.join(f.name for f in fields)}"] if unknown else []
     annotations = typing.get_type_hints(options_class)
     problems += [line for f in fields if f.name in given
-                 if (line := _problem(block, f, annotations[f.name], given[f.name])) is not None]
+                 if (line := _field_problem(block, f, annotations[f.name], given[f.name])) is not None]
     if parts and not problems and hasattr(options_class, "part_problems"):
         problems = options_class(**given).part_problems()
     return problems
 
 
-def _problem(block: str, f: dataclasses.Field, annotation, value) -> str | None:
+def _field_problem(block: str, f: dataclasses.Field, annotation, value) -> str | None:
+    """The one line of a bad value of field f: checked by the Rule of its annotated type and `option` bounds."""
     if typing.get_origin(annotation) is list:  # list[int]: a list, each element checked as an option of that type
         if not isinstance(value, (list, tuple)) or not value:
             return str(bad_option(block, f.name, value, "a non-empty list"))
         return next((line for element in value
-                     if (line := _problem(block, f, typing.get_args(annotation)[0], element)) is not None), None)
+                     if (line := _field_problem(block, f, typing.get_args(annotation)[0], element)) is not None), None)
     allowed = typing.get_args(annotation) or (annotation,)  # int | None -> (int, NoneType)
     rule = Rule(next(t for t in allowed if t is not type(None)), nullable=type(None) in allowed, **f.metadata)
     if rule.accepts(value):
