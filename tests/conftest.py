@@ -99,7 +99,7 @@ def run_train(run_dir: Path, *overrides: str, launcher: list[str] | None = None,
 
 def train_here(run_dir: Path, *overrides: str, cache: Path | None = None, base: list[str] = TINY) -> str:
     """train.py's run of base (TINY) + overrides inside this process, for tests whose subject is not the command line:
-    the config composed and checked as train.py does (training/jobs.py compose, train.py's checked_config),
+    the config composed and checked as train.py does (runs/config.py compose, train.py's checked_config),
     then the loop (training/loop.py train). Returns what it printed (also echoed to the test's captured
     stdout, so that a run that raises, SystemExit included, still shows it). Accelerate's state, the signal
     handlers and torch's thread count are put back after, as the next test would find them in a new process."""

@@ -1,5 +1,5 @@
-"""training/checkpoint.py in-process: init_from's load_matching_weights (its report, and the values it
-copies), resume from an explicit checkpoint path, a run dir or `auto`, the manifest catching a corrupt
+"""training/checkpoint.py in-process: init_from's load_matching_weights (runs/checkpoint.py: its report, and the
+values it copies), resume from an explicit checkpoint path, a run dir or `auto`, the manifest catching a corrupt
 file of the right size and a missing manifest, keep_checkpoints pruning (train.py resuming from an explicit
 checkpoint path that is not the latest: tests/test_train.py)."""
 import pytest

@@ -1,7 +1,7 @@
 """FLOP counts (docs/configuration.md#what-a-count-includes): every registered mixer's `flops_per_token(seq_len,
 "cpu")` against torch's FlopCounterMode over the mixer's own forward on CPU at two lengths that are not multiples
 of any chunk, at its default options (chunk sizes included); the kernel path's chunk; and what a training step
-charges to trained and frozen parts (training/budget.py, the objectives' flops_schedule).
+charges to trained and frozen parts (runs/flops.py, the objectives' flops_schedule).
 
 The counter sees mm / bmm / baddbmm / convolution. What it cannot see is counted here another way, said where:
 in-place baddbmm_ and the triangular solve by formulas over the shapes the op passes (COUNTED_HERE); SDPA on
