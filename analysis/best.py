@@ -10,6 +10,7 @@ from functools import cached_property
 from analysis.runs import Run, cfg_get
 from analysis.summary import budget, budget_line, fmt
 from common.validation import leaves
+from runs.config import override_key
 
 RUN_ONLY = ("seed", "run_dir", "resume", "init_from", "name")  # a run's own keys: not in the command that extends a grid
 RUN_KEYS = (*RUN_ONLY, "logger")  # differ between runs of one architecture
@@ -174,7 +175,7 @@ def extension_command(arch: Architecture, archs: list[Architecture], key: str, b
     if given is None:
         overrides = distinguishing_overrides(arch, archs)
     else:
-        names = [o.lstrip("+~").partition("=")[0] for o in given]
+        names = [override_key(o) for o in given]
         overrides = [o for o, k in zip(given, names) if k != key and k.split(".")[0] not in RUN_ONLY]
     seeds = sorted({r.config["seed"] for r in best if r.config.get("seed") is not None})
     args = [*overrides, f"{key}={','.join(value_text(v) for v in beyond)}"]
