@@ -1,5 +1,5 @@
 """A sweep's jobs, expanded one way for scripts/sweep.py and `train.py -m`'s checks: train.py overrides
-with `key=a,b,c` axes (commas outside brackets), the grid their product in the order given, plus the axes the
+with `key=a,b,c` axes (commas outside brackets; Hydra's range() and choice() too), the grid their product in the order given, plus the axes the
 composed config declares in hydra.sweeper.params (an experiment's defaults) unless their key is given; each job
 named by its swept values."""
 import itertools
@@ -22,13 +22,22 @@ def split_values(value: str) -> list[str]:
 
 
 def axis(arg: str) -> list[str]:
-    """An override as the jobs' overrides of its axis: 'a=1,2' -> ['a=1', 'a=2']; a deletion '~a' is itself."""
+    """An override as the jobs' overrides of its axis, as Hydra's basic sweeper reads it: 'a=1,2' -> ['a=1', 'a=2']
+    (the values as typed), 'a=range(1,3)' or 'a=choice(x,y)' -> Hydra's values; a deletion '~a' is itself."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+
     key, sep, value = arg.partition("=")
     if not sep:
         if arg.startswith("~"):
             return [arg]
         raise ValueError(f"override {arg!r} is not key=value")
-    return [f"{key}={v}" for v in split_values(value)]
+    override = OverridesParser.create().parse_overrides([arg])[0]
+    if not override.is_sweep_override():
+        return [arg]
+    if isinstance(override.value(), ChoiceSweep) and override.value().simple_form:
+        return [f"{key}={v}" for v in split_values(value)]
+    return [f"{key}={v}" for v in override.sweep_string_iterator()]
 
 
 def expand_grid(overrides: list[str]) -> list[list[str]]:
@@ -46,7 +55,7 @@ def with_config_axes(overrides: list[str]) -> list[str]:
 
 def job_name(job: list[str], overrides: list[str]) -> str:
     """The swept values joined by '-' (e.g. 'softmax-moe'), filesystem-safe."""
-    swept = [arg.partition("=")[2] for arg, given in zip(job, overrides) if len(split_values(given.partition("=")[2])) > 1]
+    swept = [arg.partition("=")[2] for arg, given in zip(job, overrides) if len(axis(given)) > 1]
     return re.sub(r"[^A-Za-z0-9._=-]+", "_", "-".join(swept) or "job")
 
 

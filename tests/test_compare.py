@@ -35,6 +35,10 @@ def test_expand_grid_and_names():
     assert sweep.job_name(grid[1], overrides) == "softmax-_softmax_gdn_"
     with pytest.raises(ValueError, match="not key=value"):
         sweep.expand_grid(["mixer"])
+    # Hydra's sweep functions expand as Hydra's basic sweeper runs them (train.py -m's check sees its jobs)
+    assert sweep.expand_grid(["trainer.warmup_steps=range(1,3)", "mixer=choice(gdn,softmax)", "~logger.group"]) == [
+        ["trainer.warmup_steps=1", "mixer=gdn", "~logger.group"], ["trainer.warmup_steps=1", "mixer=softmax", "~logger.group"],
+        ["trainer.warmup_steps=2", "mixer=gdn", "~logger.group"], ["trainer.warmup_steps=2", "mixer=softmax", "~logger.group"]]
 
 
 def test_match_params_equalises_active_counts():

@@ -83,14 +83,14 @@ def check_train(args: list[str]) -> None:
     from omegaconf import OmegaConf, open_dict
 
     from runs.config import check_group_overrides
-    from runs.sweep import expand_grid, split_values
+    from runs.sweep import axis, expand_grid
     from training.validation import check_train_config
 
     multirun = bool({"-m", "--multirun"} & set(args))
     args = [a for a in args if a not in ("-m", "--multirun", "--cfg", "job", "X")]
     overrides = [a for a in args if not a.lstrip("+~").startswith(("hydra.", "hydra/"))]
     check_group_overrides(overrides)
-    first = [f"{k}={split_values(v)[0]}" for k, _, v in (o.partition("=") for o in overrides)]
+    first = [axis(o)[0] for o in overrides]
     given = {o.partition("=")[0].lstrip("+~") for o in overrides}
     cfg = compose("train", first, return_hydra_config=True)
     axes = {k: v for k, v in (cfg.hydra.sweeper.params or {}).items() if k not in given}
