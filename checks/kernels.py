@@ -213,8 +213,8 @@ def check_dsa(stage: Stage, T: int = 300, topk: int = 32) -> None:
     top-k selection (compared by selected score values: ties may pick other keys), the sparse path
     (cuSPARSE SDDMM / SpMM on CUDA), the masked path and the dispatch (outputs and q, k, v gradients), the
     indexer scores at the selection (values and gradients); 1, 2 and 4 KV heads."""
-    import model.ops.lightning_indexer as li
     import model.ops.sparse_attention as sa
+    import model.ops.sparse_attention.lightning_indexer as li
 
     H, D, H_I, D_I = 4, 64, 4, 32
     device = stage.device

@@ -32,7 +32,7 @@ def test_every_block_pair_builds_and_trains_one_step(mixer, ffn, monkeypatch):
     """Every parameter of every block gets a finite, non-zero gradient, and the configured optimizer's
     step moves every parameter and lowers the loss on the batch; DSA runs with top-k below the length,
     through its sparse kernels (the cost model would pick the masked path at this length)."""
-    import model.ops.sparse_attention as sa
+    import model.ops.sparse_attention.attention as sa
     from model import DecoderLM
     from training.optim import build_optimizer
 

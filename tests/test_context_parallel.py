@@ -66,7 +66,7 @@ def test_every_mixer_equals_one_process(tmp_path):
             convolves = any(isinstance(m, ShortConv) for m in model.modules())
             assert ("shift" in exchanged) == convolves, (cp, name, exchanged)
             assert ("fetch" in exchanged) == (name == "dsa"), (cp, name, exchanged)  # the sparse stage's picks
-            # softmax attends without a mask where every row is one document (model/ops/attention_cp.py)
+            # softmax attends without a mask where every row is one document (model/ops/attention/context_parallel.py)
             assert (r["unmasked_attention"] > 0) == (name.endswith("whole rows") and "softmax" in layers), (cp, name, r)
     assert not wrong, "\n".join(map(str, wrong))
 

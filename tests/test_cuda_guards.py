@@ -9,12 +9,13 @@ import pytest
 import torch
 
 import model.mixers.dsa as dsa_mixer
-import model.ops.sparse_attention as sa
+import model.ops.sparse_attention.selection as selection
 from model import DecoderLM, LMConfig
 from model.ffn.experts import experts_grouped_mm, grouped_mm_takes
 from model.ops import kernels
 from model.ops.gated_delta import chunk_gated_delta_rule
 from model.ops.linear_attention import chunk_linear_attn
+from model.ops.sparse_attention.attention import SPARSE_KEY_COST
 from model.ops.ssd import mamba_chunk_scan
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -104,10 +105,10 @@ def test_dsa_csr_selections_are_sorted_and_duplicate_free(monkeypatch):
     ids = torch.randint(0, 64, (2, 40), generator=torch.Generator().manual_seed(0))
     positions = torch.stack([torch.cat([torch.arange(3), torch.arange(12), torch.arange(25)]),
                              torch.cat([torch.arange(5, 15), torch.arange(30)])])
-    monkeypatch.setitem(sa.SPARSE_KEY_COST, "cpu", 0.0)  # the sparse path (SDDMM / SpMM) at any length
+    monkeypatch.setitem(SPARSE_KEY_COST, "cpu", 0.0)  # the sparse path (SDDMM / SpMM) at any length
     want = {train: dsa_step(ids, positions, train) for train in (True, False)}
 
-    monkeypatch.setattr(sa, "_numba_runs", lambda device: False)  # the csr backend and the torch top-k
+    monkeypatch.setattr(selection, "_numba_runs", lambda device: False)  # the csr backend and the torch top-k
     checked, selections = [], []
 
     def checked_csr(crow, col, values, size):
@@ -117,10 +118,10 @@ def test_dsa_csr_selections_are_sorted_and_duplicate_free(monkeypatch):
             return torch.sparse_csr_tensor(crow, col, values, size, check_invariants=True)
 
     def kept_selection(*args, **kwargs):
-        selections.append(sa.Selection(*args, **kwargs))
+        selections.append(selection.Selection(*args, **kwargs))
         return selections[-1]
 
-    monkeypatch.setattr(sa, "_csr", checked_csr)
+    monkeypatch.setattr(selection, "_csr", checked_csr)
     monkeypatch.setattr(dsa_mixer, "Selection", kept_selection)
     for train in (True, False):  # training (indexer loss) and eval (recall) forwards
         loss, grads = dsa_step(ids, positions, train)

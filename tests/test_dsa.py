@@ -3,13 +3,15 @@ the mixer against softmax attention, its stages, checkpoint loading, warm-up and
 import pytest
 import torch
 
-import model.ops.lightning_indexer as li
-import model.ops.sparse_attention as sa
+import model.ops.sparse_attention.attention as sa
+import model.ops.sparse_attention.lightning_indexer as li
+import model.ops.sparse_attention.selection as selection
 from conftest import assert_bf16_rounding_of
 from model import DecodeCache, DecoderLM, LMConfig
 from model.layers import AuxCollector
 from model.mixers.dsa import DSAttention
 from model.mixers.softmax import SoftmaxAttention, attend
+from model.ops.sparse_attention.naive import naive_index_scores, naive_masked_attention, naive_sparse_attention
 
 F64 = torch.float64
 
@@ -56,14 +58,14 @@ def attention_inputs(B=2, T=13, H=4, Hkv=2, D=6, seed=1):
 
 def test_index_scores_match_formula():
     q_i, k_i, w = indexer_inputs()
-    torch.testing.assert_close(li.index_scores(q_i, k_i, w), li.naive_index_scores(q_i, k_i, w))
+    torch.testing.assert_close(li.index_scores(q_i, k_i, w), naive_index_scores(q_i, k_i, w))
 
 
 @pytest.fixture(params=["numba", "torch"])
 def topk_kernel(request, monkeypatch):
     """Run an index_topk test with the CPU kernel and with the torch ops that other devices run."""
     if request.param == "torch":
-        monkeypatch.setattr(sa, "_numba_runs", lambda device: False)
+        monkeypatch.setattr(selection, "_numba_runs", lambda device: False)
 
 
 def assert_top_visible(idx, ref, first_visible, topk):
@@ -82,7 +84,7 @@ def assert_top_visible(idx, ref, first_visible, topk):
 @pytest.mark.parametrize("topk", [1, 5, 13, 20])
 def test_index_topk_selects_the_top_visible_keys(blocks, topk_kernel, topk):
     q_i, k_i, w = indexer_inputs()
-    ref = li.naive_index_scores(q_i, k_i, w).detach()
+    ref = naive_index_scores(q_i, k_i, w).detach()
     idx = li.index_topk(q_i, k_i, w, topk)
     T = ref.shape[1]
     assert idx.shape == (2, T, min(topk, T))
@@ -98,18 +100,18 @@ def test_index_topk_within_documents(topk_kernel, topk):
     starts = torch.zeros(2, 50, dtype=torch.bool)
     starts[0, [0, 9, 10, 31]] = starts[1, [0, 44]] = True
     segment_ids = starts.cumsum(1)
-    ref = li.naive_index_scores(q_i, k_i, w).detach()
+    ref = naive_index_scores(q_i, k_i, w).detach()
     idx = li.index_topk(q_i, k_i, w, topk, segment_ids=segment_ids)
     first = torch.stack([torch.searchsorted(row, row) for row in segment_ids])  # each document's start
     assert_top_visible(idx, ref, first, topk)
 
 
-@pytest.mark.parametrize("backend", sa.Selection.BACKENDS)
+@pytest.mark.parametrize("backend", selection.Selection.BACKENDS)
 def test_index_scores_at_match_dense_scores_values_and_grads(backend):
     q_i, k_i, w = indexer_inputs()
     idx = li.index_topk(q_i, k_i, w, 4)
-    out = li.index_scores_at(q_i, k_i, w, sa.Selection(idx, k_i.shape[1], backend))
-    ref = li.naive_index_scores(q_i, k_i, w).gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
+    out = li.index_scores_at(q_i, k_i, w, selection.Selection(idx, k_i.shape[1], backend))
+    ref = naive_index_scores(q_i, k_i, w).gather(-1, idx.clamp(min=0)).masked_fill(idx < 0, float("-inf"))
     torch.testing.assert_close(out, ref)
     g = torch.randn(out.shape, dtype=F64).masked_fill(idx < 0, 0)
     finite = lambda x: x.masked_fill(idx < 0, 0)  # noqa: E731
@@ -118,7 +120,7 @@ def test_index_scores_at_match_dense_scores_values_and_grads(backend):
 
 
 def sparse_on(backend):
-    return lambda q, k, v, idx: sa.sparse_attention(q, k, v, sa.Selection(idx, k.shape[1], backend))
+    return lambda q, k, v, idx: sa.sparse_attention(q, k, v, selection.Selection(idx, k.shape[1], backend))
 
 
 # the sparse path on each Selection backend (numba: CPU's default; csr: what CUDA runs, also on CPU)
@@ -130,9 +132,9 @@ PATHS = {"sparse": sa.sparse_attention, "sparse_csr": sparse_on("csr"), "masked"
 def test_both_paths_match_dense_masked_reference_and_formula(blocks, path, Hkv, topk):
     q, k, v = attention_inputs(Hkv=Hkv)  # T = 13: no block or tile size divides it
     idx = li.index_topk(*indexer_inputs(), topk)
-    out, ref = PATHS[path](q, k, v, idx), sa.naive_masked_attention(q, k, v, idx)
+    out, ref = PATHS[path](q, k, v, idx), naive_masked_attention(q, k, v, idx)
     torch.testing.assert_close(out, ref)
-    torch.testing.assert_close(out, sa.naive_sparse_attention(q, k, v, idx))
+    torch.testing.assert_close(out, naive_sparse_attention(q, k, v, idx))
     g = torch.randn(out.shape, dtype=F64)
     for a, r in zip(grads(out, (q, k, v), g), grads(ref, (q, k, v), g)):
         torch.testing.assert_close(a, r)
@@ -145,7 +147,7 @@ def test_both_paths_for_queries_after_a_prefix(blocks, path):
     q_i, k_i, w = indexer_inputs()
     idx = li.index_topk(q_i[:, 6:], k_i, w[:, 6:], 4, offset=6)
     q = q[:, 6:].detach().requires_grad_()
-    out, ref = PATHS[path](q, k, v, idx), sa.naive_masked_attention(q, k, v, idx)
+    out, ref = PATHS[path](q, k, v, idx), naive_masked_attention(q, k, v, idx)
     torch.testing.assert_close(out, ref)
     g = torch.randn(out.shape, dtype=F64)
     for a, r in zip(grads(out, (q, k, v), g), grads(ref, (q, k, v), g)):
@@ -154,7 +156,7 @@ def test_both_paths_for_queries_after_a_prefix(blocks, path):
 
 def test_sparse_path_returns_the_selected_attention_probs():
     q, k, v = attention_inputs()
-    sel = sa.Selection(li.index_topk(*indexer_inputs(), 4), k.shape[1])
+    sel = selection.Selection(li.index_topk(*indexer_inputs(), 4), k.shape[1])
     _, p = sa.sparse_attention_with_probs(q, k, v, sel)
     assert not p.requires_grad
     torch.testing.assert_close(p, sa.selected_attention_probs(q, k, sel))
@@ -164,17 +166,17 @@ def test_selection_hands_the_sparse_kernels_32_bit_indices():
     """MKL / cuSPARSE take 32-bit indices; int64 ones are converted on every SDDMM / SpMM call."""
     q, k, v = attention_inputs()
     idx = li.index_topk(*indexer_inputs(), 4)
-    assert sa.Selection(idx, k.shape[1]).key_rows.dtype == torch.int32
-    sel = sa.Selection(idx, k.shape[1], "csr")
+    assert selection.Selection(idx, k.shape[1]).key_rows.dtype == torch.int32
+    sel = selection.Selection(idx, k.shape[1], "csr")
     for m in (sel.matrix(torch.ones(sel.rows, 4, dtype=F64)), sel.matrix_t(torch.ones(sel.rows, 4, dtype=F64))):
         assert m.crow_indices().dtype == m.col_indices().dtype == torch.int32
 
 
 @pytest.mark.parametrize("K", [4, 7])  # 7: the kernels' 4-key blocks leave a remainder
 def test_cpu_logits_match_einsum(K):
-    """sparse_cpu.logits against a dense gather (float64), with empty slots and 2 KV heads of 3 query
+    """cpu_kernels.logits against a dense gather (float64), with empty slots and 2 KV heads of 3 query
     heads each (the other kernels are checked through the ops, against the naive references)."""
-    from model.ops import sparse_cpu
+    from model.ops.sparse_attention import cpu_kernels
     g = torch.Generator().manual_seed(K)
     R, N, H, Hkv, D = 11, 9, 6, 2, 5
     a, b = torch.randn(R, H, D, generator=g, dtype=F64), torch.randn(N, Hkv, D, generator=g, dtype=F64)
@@ -182,24 +184,24 @@ def test_cpu_logits_match_einsum(K):
     idx[::3, 1] = -1
     gathered = b.repeat_interleave(H // Hkv, 1)[idx.clamp(min=0).long()]  # [R, K, H, D]
     ref = 0.3 * torch.einsum("rhd,rkhd->rhk", a, gathered).masked_fill(idx[:, None] < 0, float("-inf"))
-    torch.testing.assert_close(sparse_cpu.logits(a, b, idx, 0.3), ref)
+    torch.testing.assert_close(cpu_kernels.logits(a, b, idx, 0.3), ref)
 
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_cpu_sparse_path_runs_the_numba_kernels(monkeypatch, threads):
-    """On CPU tensors the sparse path and the indexer scores go through sparse_cpu, fwd and bwd, and
+    """On CPU tensors the sparse path and the indexer scores go through cpu_kernels, fwd and bwd, and
     with 2 threads the kernels that scatter into key rows sum one partial output per block of rows."""
-    from model.ops import sparse_cpu
+    from model.ops.sparse_attention import cpu_kernels
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
     calls = []
     for name in ("logits", "gathered_sum", "softmax_grads", "scattered_sum", "index_scores", "index_grads"):
-        fn = getattr(sparse_cpu, name)
-        monkeypatch.setattr(sparse_cpu, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
+        fn = getattr(cpu_kernels, name)
+        monkeypatch.setattr(cpu_kernels, name, lambda *a, fn=fn, name=name: calls.append(name) or fn(*a))
     q, k, v = attention_inputs()
     q_i, k_i, w = indexer_inputs()
-    sel = sa.Selection(li.index_topk(q_i, k_i, w, 4), k.shape[1])
+    sel = selection.Selection(li.index_topk(q_i, k_i, w, 4), k.shape[1])
     assert sel.backend == "numba"
-    ref = sa.Selection(sel.indices, k.shape[1], "csr")
+    ref = selection.Selection(sel.indices, k.shape[1], "csr")
     g = torch.randn(2, 13, 4, dtype=F64)
     out = [sa.sparse_attention(q, k, v, s).sum() + (li.index_scores_at(q_i, k_i, w, s).clamp(min=-1) * g).sum()
            for s in (sel, ref)]
@@ -213,7 +215,7 @@ def test_cpu_sparse_path_runs_the_numba_kernels(monkeypatch, threads):
 
 def test_selection_rejects_a_bad_backend():
     with pytest.raises(ValueError, match="'dense'.*numba.*csr"):
-        sa.Selection(torch.zeros(1, 2, 1, dtype=torch.long), 2, "dense")
+        selection.Selection(torch.zeros(1, 2, 1, dtype=torch.long), 2, "dense")
 
 
 def test_attention_path_cost_model_logs_each_choice_once(caplog, monkeypatch):
@@ -232,7 +234,7 @@ def test_attention_path_cost_model_logs_each_choice_once(caplog, monkeypatch):
 @pytest.mark.parametrize("path", ["sparse", "masked"])
 def test_selected_attention_runs_the_chosen_path(monkeypatch, path):
     q, k, v = attention_inputs()
-    sel = sa.Selection(li.index_topk(*indexer_inputs(), 4), k.shape[1])
+    sel = selection.Selection(li.index_topk(*indexer_inputs(), 4), k.shape[1])
     monkeypatch.setattr(sa, "attention_path", lambda *args: path)
     ran = []
     for name in ("sparse_attention_with_probs", "masked_attention"):
@@ -240,7 +242,7 @@ def test_selected_attention_runs_the_chosen_path(monkeypatch, path):
         monkeypatch.setattr(sa, name, lambda *a, fn=fn, name=name: ran.append(name) or fn(*a))
     o, p = sa.selected_attention(q, k, v, sel, with_probs=True)
     assert ran == ["sparse_attention_with_probs" if path == "sparse" else "masked_attention"]
-    torch.testing.assert_close(o, sa.naive_masked_attention(q, k, v, sel.indices))
+    torch.testing.assert_close(o, naive_masked_attention(q, k, v, sel.indices))
     torch.testing.assert_close(p, sa.selected_attention_probs(q, k, sel))
 
 
@@ -275,12 +277,12 @@ def test_sparse_attention_fp32_accumulation_for_bf16_inputs():
     q = (3 * torch.randn(1, 64, 4, 32, generator=g)).bfloat16()
     k, v = (torch.randn(1, 64, 1, 32, generator=g).bfloat16() for _ in range(2))
     idx = li.index_topk(*(x.detach().float() for x in indexer_inputs(B=1, T=64, seed=2)), 32)
-    ref = sa.naive_masked_attention(q.double(), k.double(), v.double(), idx)
+    ref = naive_masked_attention(q.double(), k.double(), v.double(), idx)
     out = sa.sparse_attention(q, k, v, idx)
     assert out.dtype == torch.bfloat16
     assert_bf16_rounding_of(out, ref)
     with pytest.raises(AssertionError):  # accumulating in bf16 fails at this size
-        assert_bf16_rounding_of(sa.naive_masked_attention(q, k, v, idx), ref)
+        assert_bf16_rounding_of(naive_masked_attention(q, k, v, idx), ref)
 
 
 def test_ops_keep_fp32_under_autocast():

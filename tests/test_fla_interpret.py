@@ -31,7 +31,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(
     reason="triton and flash-linear-attention are not installed (pip install -r requirements-test.txt)")]
 
 TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 5e-2}  # of max |reference|; the interpreter's fp32 dots are exact fp32
-# With allow_neg_eigval, dt, A and dt_bias reach the scan's log|a_t| through 1/a_t (model/ops/ssd.py): their gradients
+# With allow_neg_eigval, dt, A and dt_bias reach the scan's log|a_t| through 1/a_t (model/ops/ssd/chunk.py): their gradients
 # carry its fp32 rounding times up to 1/min|a_t| (our own fp32 PyTorch path as much as fla's), so 10x the tolerance.
 THROUGH_LOG_ABS = ("ddt", "dA", "ddt_bias")
 

@@ -32,9 +32,9 @@ from transformers import initialization as init
 from model.layers import KVBuffer, RotaryEmbedding
 from model.segments import DocumentSegments, continued_positions
 from model.mixers.softmax import SoftmaxAttention, attend
-from model.ops.lightning_indexer import index_scores, index_scores_at, index_topk
-from model.ops.sparse_attention import Selection, dense_attention_probs, selected_attention
-from model.ops.sparse_attention_cp import fetch_selected
+from model.ops.sparse_attention import (Selection, dense_attention_probs, index_scores, index_scores_at, index_topk,
+                                        selected_attention)
+from model.ops.sparse_attention.context_parallel import fetch_selected
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -124,7 +124,7 @@ class DSAttention(SoftmaxAttention):
         its top-k and the dense paths see only the query's own document. Under context parallelism
         (segments.context) the queries are this rank's slice of the keys up to its end: the indexer scores
         all of those keys (gathered) and picks what one process would; the sparse stage then fetches only the
-        selected keys and values from the earlier ranks (model/ops/sparse_attention_cp.py), the dense paths
+        selected keys and values from the earlier ranks (model/ops/sparse_attention/context_parallel.py), the dense paths
         gather them all."""
         B, T, _ = x.shape
         offset = cache["offset"] if cache is not None else 0

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.kernels import repeat_heads
 from model.ops.linear_attention import chunk_linear_attn, chunk_linear_attn_flops
-from model.ops.linear_attention_cp import chunk_linear_attn_cp
+from model.ops.linear_attention.context_parallel import chunk_linear_attn_cp
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -38,7 +38,7 @@ class LinearOptions:
 @MIXERS.register("linear")
 class LinearAttention(SoftmaxAttention):
     Options = LinearOptions
-    context_exchange = "the state and key sum of each slice (H K (V + 1) per row: model/ops/linear_attention_cp.py)"
+    context_exchange = "the state and key sum of each slice (H K (V + 1) per row: model/ops/linear_attention/context_parallel.py)"
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__(config, layer_idx)

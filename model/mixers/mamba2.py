@@ -28,7 +28,7 @@ allow_neg_eigval (default false) follows Grazzi et al. 2025 ("Unlocking State-Tr
 Through Negative Eigenvalues", ICLR; their Mamba: the diagonal transition times 2, minus 1): the SSD's
 transition a_t = exp(dt_t A) in (0, 1) becomes 2 exp(dt_t A) - 1 in (-1, 1), negative where
 dt_t |A| > log 2, so that a head can flip its state's sign (parity). Parameters and init are unchanged.
-The chunked scan carries the sign apart from log|a_t| (model/ops/ssd.py), so on CUDA it still runs in
+The chunked scan carries the sign apart from log|a_t| (model/ops/ssd/chunk.py), so on CUDA it still runs in
 fla's chunk_simple_gla, as with the option off; decoding steps the same signed recurrence.
 
 Padding: the scan skips the pads (their own segments in cu_seqlens) and the conv drops their taps; zeroed
@@ -43,7 +43,7 @@ from transformers import initialization as init
 
 from model.layers import GatedRMSNorm, ShortConv, at_least_fp32, init_dt_bias_, init_fan_in_uniform_, residual_scale
 from model.ops.ssd import mamba_chunk_scan, mamba_chunk_scan_flops, mamba_state_step
-from model.ops.ssd_cp import mamba_chunk_scan_cp
+from model.ops.ssd.context_parallel import mamba_chunk_scan_cp
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -64,7 +64,7 @@ class Mamba2(nn.Module):
     Options = Mamba2Options
     parametrization = "mamba2"  # as transformers' Mamba2 (model/config.py; docs/blocks.md#parametrization)
     output_projection = "out_proj"  # y = out_proj(gated norm of the scan) (docs/extending.md)
-    context_exchange = "the state map of each slice (H (1 + P N) per row: model/ops/ssd_cp.py) and the conv's halo"
+    context_exchange = "the state map of each slice (H (1 + P N) per row: model/ops/ssd/context_parallel.py) and the conv's halo"
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
@@ -134,7 +134,7 @@ class Mamba2(nn.Module):
         return self.out_proj(y.reshape(Bsz, T, self.d_inner))
 
     def flops_per_token(self, seq_len: int, device) -> float:
-        """in_proj, conv, the SSD scan on `device` (model/ops/ssd.py mamba_chunk_scan_flops), D skip and out_proj."""
+        """in_proj, conv, the SSD scan on `device` (model/ops/ssd/chunk.py mamba_chunk_scan_flops), D skip and out_proj."""
         proj = 2 * self.in_proj.in_features * (self.in_proj.out_features + self.d_inner)
         conv = 2 * self.conv.kernel_size * self.conv.conv.in_channels
         ssd = mamba_chunk_scan_flops(seq_len, self.chunk_size, self.n_groups, self.num_heads, self.head_dim,

@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from transformers import DeepseekV32Config
 from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32Indexer
 
-import model.ops.lightning_indexer as li
 import model.ops.sparse_attention as sa
+import model.ops.sparse_attention.lightning_indexer as li
+from model.ops.sparse_attention.attention import SPARSE_KEY_COST
 from model import DecoderLM, LMConfig
 from model.layers import RotaryEmbedding
 from model.mixers.dsa import indexer_kl
@@ -254,7 +255,7 @@ def run(quick: bool) -> str:
     report += ["", f"Scaling, fwd+bwd unless noted (top-k {TOPK}, {H} KV heads); 'vs transformers' is its time "
                "over ours for the same work (index + top-k + attention); the measured key cost is the sparse "
                "path's time per selected key over the masked path's per visible key (the cost model uses "
-               f"{sa.SPARSE_KEY_COST['cpu']}):", "", scaling, "", f"Plot: {plot(peer_lengths, curves)}"]
+               f"{SPARSE_KEY_COST['cpu']}):", "", scaling, "", f"Plot: {plot(peer_lengths, curves)}"]
     report += ["", "Model level, 1-layer d 256 LM, fwd + bwd + AdamW, B 1:", "", model_level(model_lengths, rounds)]
     report += ["", f"Where a step goes at T {model_lengths[-1]}, 1 KV head (the DSA parts at the model's shapes):", "",
                step_breakdown(model_lengths[-1], rounds)]

@@ -1,5 +1,5 @@
-"""DSA's context-parallel form (model/mixers/dsa.py; the exchanges: context_parallel.py): only the keys and values
-the top-k selection needs travel.
+"""DSA's context-parallel form (the mixer: model/mixers/dsa.py; the exchanges: model/ops/context_parallel.py): only
+the keys and values the top-k selection needs travel.
 
 The lightning indexer scores every key up to the slice's end (its keys, d_I numbers per token, are all-gathered)
 and picks each query's top-k as one process would. `fetch_selected` then asks each earlier rank for the rows of

@@ -1,14 +1,6 @@
-"""Chunked causal linear attention, and the scalar-decay chunked core it shares with the SSD op.
-
-    S_t = S_{t-1} + k_t v_t^T,   o_t = S_t^T (scale q_t)                       (state [K, V])
-    normalize=True:  o_t <- o_t / ((scale q_t) . z_t + eps),  z_t = z_{t-1} + k_t
-
-Layouts as in fla's chunk_linear_attn: q, k [B, T, H, K], v [B, T, H, V], state [B, H, K, V],
-normaliser state z [B, H, K]. On CUDA tensors, when fla imports, the unnormalised part runs in
-fla's kernel; the normaliser (which fla's `normalize` does not carry across calls) is always ours.
-cu_seqlens (fla's convention, model/ops/varlen.py): a batch-1 row of several sequences, each
-starting from a zero state; final states are then one per sequence.
-"""
+"""Causal linear attention's chunked form, and the scalar-decay chunked core it shares with the SSD op (the op
+and its layouts: model/ops/linear_attention). On CUDA tensors, when fla imports, the unnormalised part runs in
+fla's kernel; the normaliser (which fla's `normalize` does not carry across calls) is always ours."""
 import torch
 import torch.nn.functional as F
 
@@ -127,7 +119,7 @@ def chunk_linear_attn_flops(seq_len: int, heads: int, k_dim: int, v_dim: int, ch
 def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
                       output_final_state: bool = False, normalize: bool = False,
                       chunk_size: int = 64, eps: float = 1e-6, cu_seqlens=None):
-    """Causal linear attention (see module docstring). scale defaults to K^-0.5.
+    """Causal linear attention (model/ops/linear_attention). scale defaults to K^-0.5.
 
     Without normalize, initial_state / final state are S [B, H, K, V]; with normalize they are pairs
     (S, z) with z [B, H, K] the running sum of keys. Returns (o [B, T, H, V] in v's dtype,
@@ -160,32 +152,3 @@ def chunk_linear_attn(q, k, v, scale: float | None = None, initial_state=None,
         z = kc[:, -1] if cu_seqlens is None else kc[0, cu_seqlens[1:] - 1]
         final = (S, z) if output_final_state else None
     return o.to(v.dtype), final
-
-
-# ---- naive reference: the recurrence token by token, straight from the formulas (the tests' oracle, float64)
-def naive_linear_attn(q, k, v, scale, S0=None, z0=None, normalize=False, eps=1e-6):
-    """S_t = S_{t-1} + k_t v_t^T; o_t = S_t^T (scale q_t); normalised: o_t / ((scale q_t) . z_t + eps),
-    z_t = z_{t-1} + k_t."""
-    Bsz, T, H, K = q.shape
-    V = v.shape[-1]
-    outs, S_fin, z_fin = [], [], []
-    for b in range(Bsz):
-        ob, Sb, zb = [], [], []
-        for h in range(H):
-            S = torch.zeros(K, V, dtype=q.dtype) if S0 is None else S0[b, h]
-            z = torch.zeros(K, dtype=q.dtype) if z0 is None else z0[b, h]
-            oh = []
-            for t in range(T):
-                S = S + torch.outer(k[b, t, h], v[b, t, h])
-                z = z + k[b, t, h]
-                o = S.T @ (scale * q[b, t, h])
-                if normalize:
-                    o = o / ((scale * q[b, t, h]) @ z + eps)
-                oh.append(o)
-            ob.append(torch.stack(oh))
-            Sb.append(S)
-            zb.append(z)
-        outs.append(torch.stack(ob, 1))
-        S_fin.append(torch.stack(Sb))
-        z_fin.append(torch.stack(zb))
-    return torch.stack(outs), torch.stack(S_fin), torch.stack(z_fin)

@@ -1,4 +1,4 @@
-"""DSA's lightning indexer (DeepSeek-V3.2) and its top-k selection. Layouts as model/ops/sparse_attention.py:
+"""DSA's lightning indexer (DeepSeek-V3.2) and its top-k selection. Layouts as model/ops/sparse_attention:
 indexer q_i [B, T, H_I, d_I], shared indexer key k_i [B, S, d_I], head weights w [B, T, H_I]; the T queries sit
 at positions S - T .. S - 1 of the S keys. Score (scales folded into q_i and w by the caller):
 
@@ -6,16 +6,16 @@ at positions S - T .. S - 1 of the S keys. Score (scales folded into q_i and w b
 
 `index_topk` selects each query's top-k visible keys (numba on CPU, batched torch ops elsewhere);
 `index_scores` is the dense differentiable form (the warm-up stage), `index_scores_at` the scores at the
-selected keys only (the sparse stage's indexer logits). `naive_index_scores`, a per-query loop from the
-formula, is the tests' oracle."""
+selected keys only (the sparse stage's indexer logits). `naive_index_scores` (naive.py), a per-query loop from
+the formula, is the tests' oracle."""
 import math
 
 import torch
 import torch.nn.functional as F
 
-from model.ops import sparse_cpu
 from model.ops.kernels import accumulation_dtype, own_precision
-from model.ops import sparse_attention as sa  # its query blocks and kernel choice (module attributes: tests patch them)
+# the query blocks, the kernel choice and the kernels as module attributes (tests patch them)
+from model.ops.sparse_attention import attention, cpu_kernels, selection
 
 _INDEX_BLOCK_ELEMS = 1 << 22  # indexer dot products per query block (16 MiB at fp32: fits a 32 MiB L3)
 
@@ -35,7 +35,7 @@ def index_scores(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, offset: 
 def visible(T: int, S: int, offset: int, device, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Which keys each query may see: causal [T, S], and with segment_ids [B, S] (document masking: the keys'
     documents; the queries, the last T keys, have theirs) also within its own document, [B, T, S]."""
-    mask = sa.causal_mask(T, S, offset, device)
+    mask = attention.causal_mask(T, S, offset, device)
     if segment_ids is None:
         return mask
     return mask & (segment_ids[:, S - T:, None] == segment_ids[:, None, :])
@@ -75,7 +75,7 @@ def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int,
     contiguous documents, non-decreasing along S, as DocumentSegments gives; the queries' those of the last T
     keys) only the query's own document is visible. Ties are broken arbitrarily.
     Per block of queries: one GEMM for q_i k_i^T over the keys the block can see, then on CPU one numba
-    kernel (sparse_cpu.index_topk: relu, head-weighted sum and top-k over each query's visible keys in
+    kernel (cpu_kernels.index_topk: relu, head-weighted sum and top-k over each query's visible keys in
     one pass over the row); elsewhere relu in place, the head-weighted sum as a batched [1, H_I] x
     [H_I, S] product, the invisible keys set to -inf, and `topk_indices`."""
     B, T, H_I, d = q_i.shape
@@ -88,20 +88,20 @@ def index_topk(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, topk: int,
     # first visible key of each query: its document's start
     lo = (torch.zeros_like(pos).expand(B, T) if segment_ids is None
           else torch.searchsorted(segment_ids.contiguous(), segment_ids[:, S - T:].contiguous()))
-    for t0, t1 in sa._blocks(T, H_I * S, _INDEX_BLOCK_ELEMS):
+    for t0, t1 in attention._blocks(T, H_I * S, _INDEX_BLOCK_ELEMS):
         n, S_blk = t1 - t0, offset + t1  # keys visible to the block's last query
         dots = torch.bmm(q_i[:, t0:t1].to(acc).reshape(B, n * H_I, d), kt[:, :, :S_blk]).view(B, n, H_I, S_blk)
         wb, k_blk = w[:, t0:t1].to(acc), min(K, S_blk)
-        if sa._numba_runs(q_i.device):
+        if selection._numba_runs(q_i.device):
             for b in range(B):
-                out[b, t0:t1, :k_blk] = sparse_cpu.index_topk(dots[b], wb[b], lo[b, t0:t1], pos[t0:t1], k_blk)
+                out[b, t0:t1, :k_blk] = cpu_kernels.index_topk(dots[b], wb[b], lo[b, t0:t1], pos[t0:t1], k_blk)
         else:
             out[:, t0:t1, :k_blk] = _block_topk(dots, wb, lo[:, t0:t1], pos[t0:t1], k_blk)
     return out
 
 
 def _block_topk(dots, w, lo, hi, k):
-    """sparse_cpu.index_topk in torch ops, batched (the path for non-CPU tensors): dots [B, n, H_I, S],
+    """cpu_kernels.index_topk in torch ops, batched (the path for non-CPU tensors): dots [B, n, H_I, S],
     w [B, n, H_I], lo [B, n], hi [n]."""
     scores = torch.matmul(w[:, :, None], dots.relu_()).squeeze(2)  # [B, n, S]
     keys = torch.arange(scores.shape[-1], device=dots.device)
@@ -114,7 +114,8 @@ class _IndexScoresAt(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_i, k_i, w, sel):
         acc = accumulation_dtype(q_i.dtype)
-        qr, kr, wr = sa._rows(q_i, acc), sa._rows(k_i[:, :, None], acc), sa._rows(w, acc)  # [B T, H_I, d], [B S, 1, d]
+        rows = selection._rows
+        qr, kr, wr = rows(q_i, acc), rows(k_i[:, :, None], acc), rows(w, acc)  # [B T, H_I, d], [B S, 1, d]
         dots, scores = sel.index_scores(qr, kr, wr)  # [B T, H_I, K], [B T, K]
         ctx.save_for_backward(qr, kr, wr, dots)
         ctx.sel, ctx.dtypes = sel, (q_i.dtype, k_i.dtype, w.dtype)
@@ -136,16 +137,4 @@ def index_scores_at(q_i: torch.Tensor, k_i: torch.Tensor, w: torch.Tensor, indic
     """Indexer scores at the selected keys only: [B, T, K] (fp32), -inf in empty slots; differentiable
     in q_i, k_i, w; O(T K H_I d_I) compute through the Selection's sampled products (`indices` a tensor
     or its Selection)."""
-    return _IndexScoresAt.apply(q_i, k_i, w, sa._as_selection(indices, k_i.shape[1]))
-
-
-# ---- naive reference (the tests' oracle, float64) ----------------------------------------------------
-def naive_index_scores(q_i, k_i, w):
-    """I[b, t, s] = sum_j w[b, t, j] relu(q_i[b, t, j] . k_i[b, s]) for s <= t, else -inf."""
-    B, T, H_I, _ = q_i.shape
-    out = torch.full((B, T, k_i.shape[1]), float("-inf"), dtype=q_i.dtype)
-    for b in range(B):
-        for t in range(T):
-            for s in range(t + 1):
-                out[b, t, s] = sum(w[b, t, j] * torch.relu(q_i[b, t, j] @ k_i[b, s]) for j in range(H_I))
-    return out
+    return _IndexScoresAt.apply(q_i, k_i, w, selection._as_selection(indices, k_i.shape[1]))

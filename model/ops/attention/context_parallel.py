@@ -1,5 +1,5 @@
-"""Causal softmax attention of one context-parallel slice's queries over the keys up to its end, on CPU, without a
-mask (model/mixers/softmax.py's context-parallel form; the keys and values come from ContextGroup.gather).
+"""Causal softmax attention's context-parallel form: one slice's queries over the keys up to its end, on CPU, without
+a mask (model/mixers/softmax.py's; the keys and values come from ContextGroup.gather, model/ops/context_parallel.py).
 
 The L queries sit at the last L positions of S keys; the earlier S - L keys are all visible to every query, the
 last L causally. SDPA would need a dense [L, S] mask, which it turns into floats and keeps for the backward

@@ -1,5 +1,5 @@
-"""Causal linear attention's context-parallel form (model/ops/linear_attention.py; the exchanges:
-context_parallel.py).
+"""Causal linear attention's context-parallel form (the op: model/ops/linear_attention; the exchanges:
+model/ops/context_parallel.py).
 
 The state S [K, V] and the normaliser's key sum z [K] only add up (no decay): over a rank's slice of a row
 S_out = S_in + B_S and z_out = z_in + B_z, the incoming ones dropped where a document segment starts in the
@@ -11,9 +11,8 @@ H K (V + 1) numbers per row.
 """
 import torch
 
-from model.ops.gated_delta.context_parallel import head_tokens
 from model.ops.kernels import accumulation_dtype, own_precision
-from model.ops.linear_attention import chunk_linear_attn
+from model.ops.linear_attention.chunk import chunk_linear_attn
 from model.ops.varlen import sequence_cumsum
 
 

@@ -1,4 +1,4 @@
-"""The SSD's context-parallel form (model/ops/ssd.py; the exchanges: context_parallel.py).
+"""The SSD's context-parallel form (the recurrence: model/ops/ssd; the exchanges: model/ops/context_parallel.py).
 
 Per head the state [P, N] decays by a scalar: over a rank's slice of a row h_out = a h_in + B, with
 a = prod_t a_t (signed with allow_neg_eigval) and B the state the scan reaches from zero. Each rank runs the scan
@@ -12,7 +12,7 @@ import torch
 
 from model.ops.gated_delta.context_parallel import head_tokens
 from model.ops.kernels import own_precision, repeat_heads
-from model.ops.ssd import _discretise, _log_transition, mamba_chunk_scan
+from model.ops.ssd.chunk import discretise, log_transition, mamba_chunk_scan
 
 
 @own_precision
@@ -27,8 +27,8 @@ def mamba_chunk_scan_cp(x, dt, A, B, C, chunk_size: int, segments, D=None, dt_bi
                                  allow_neg_eigval=allow_neg_eigval)
     offset = finals[segments.last_segment]  # [B, H, P, N], from zero
     (hx, hdt, hC), mask = head_tokens(segments, x, dt, C)
-    _, hdt, Ac = _discretise(hx, hdt, A, dt_bias, dt_softplus)
-    log_decay, negative = _log_transition(hdt, Ac, allow_neg_eigval)  # [B, n, H]
+    _, hdt, Ac = discretise(hx, hdt, A, dt_bias, dt_softplus)
+    log_decay, negative = log_transition(hdt, Ac, allow_neg_eigval)  # [B, n, H]
     log_decay = log_decay * mask[..., None]  # past the head: no decay (those tokens are not the head's)
     decay = log_decay.cumsum(1).exp()  # prod_{s <= t} |a_s| over the head
     if negative is not None:
