@@ -10,15 +10,15 @@ import pytest
 import torch
 
 import model.ffn.moe as moe
+import model.mixers.delta_rule as delta_rule_mixer
 import model.mixers.derived_gdn as derived_gdn_mixer
 import model.mixers.dsa as dsa_mixer
-import model.mixers.gdn as gdn_mixer
 import model.mixers.linear as linear_mixer
 import model.mixers.mamba2 as mamba2_mixer
 import model.ops.gated_delta.chunk as gated_delta
 import model.ops.gated_delta.derived as derived_rule
-import model.ops.linear_attention.chunk as linear_attention
-import model.ops.ssd.chunk as ssd
+import model.ops.linear_attention as linear_attention
+import model.ops.ssd as ssd
 from model import DecoderLM, LMConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -101,12 +101,12 @@ def test_softmax(monkeypatch):
 def test_gdn(monkeypatch):
     """The short conv's document-boundary correction keeps q, k, v in bf16 (it promoted them to fp32 under
     CUDA autocast, and failed under CPU autocast)."""
-    op = Spy(monkeypatch, gdn_mixer, "chunk_gated_delta_rule")
+    op = Spy(monkeypatch, delta_rule_mixer, "chunk_gated_delta_rule")
     core = Spy(monkeypatch, gated_delta._ChunkedGatedDelta, "apply", ("q", "k", "v", "g", "beta", "S0"))
     train_step_bf16(model := build("gdn"))
     op.expect({"q": BF16, "k": BF16, "v": BF16, "g": FP32, "beta": FP32}, out=BF16, given=("cu_seqlens",))
     core.expect({"q": FP32, "k": FP32, "v": FP32, "g": FP32, "beta": FP32, "S0": FP32}, autocast=False)
-    step = Spy(monkeypatch, gdn_mixer, "fused_recurrent_gated_delta_rule")
+    step = Spy(monkeypatch, delta_rule_mixer, "fused_recurrent_gated_delta_rule")
     decode_bf16(model)
     step.expect({"q": BF16, "k": BF16, "v": BF16, "g": FP32, "beta": FP32, "initial_state": FP32}, out=BF16)
 

@@ -100,8 +100,8 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
     counts and widths of the kernel cases (so the configs stage kernels autotunes are those training uses)."""
     from model import MIXERS
     from model.segments import DocumentSegments
+    import model.mixers.delta_rule as delta_rule_mixer
     import model.mixers.deltaproduct as deltaproduct_mixer
-    import model.mixers.gdn as gdn_mixer
     import model.mixers.linear as linear_mixer
     import model.mixers.mamba2 as mamba2_mixer
     import model.ops.gated_delta.derived as gated_delta
@@ -116,7 +116,7 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
             return original(*args, **kwargs)
         monkeypatch.setattr(module, name, spied)
 
-    spy(gdn_mixer, "chunk_gated_delta_rule", "delta_rule_block", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
+    spy(delta_rule_mixer, "chunk_gated_delta_rule", "delta_rule_block", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
     spy(deltaproduct_mixer, "chunk_gated_delta_product", "deltaproduct",
         lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3], k.shape[1] // q.shape[1]))
     spy(gated_delta, "chunk_gated_delta_rule", "derived_gdn", lambda q, k, v, *_: (q.shape[2], q.shape[3], v.shape[3]))
@@ -127,7 +127,7 @@ def test_kernel_cases_use_the_head_shapes_training_hands_fla(monkeypatch):
         for mixer in ("gdn", "deltanet", "kda", "gdn2", "deltaproduct", "derived_gdn", "linear", "mamba2"):
             layer = MIXERS.get(mixer)(checks_stage.training_model_config(mixer), 0)
             layer(torch.randn(1, 32, layer_width(layer)), segments=DocumentSegments(positions))
-            if "delta_rule_block" in seen:  # gdn, deltanet, kda, gdn2 call the op from DeltaRuleBlock (model/mixers/gdn.py)
+            if "delta_rule_block" in seen:  # gdn, deltanet, kda, gdn2 call the op from DeltaRuleBlock (model/mixers/delta_rule.py)
                 seen[mixer] = seen.pop("delta_rule_block")
     cases = {name: inputs for name, _, inputs, *_ in kernels.kernel_cases()}
     q = lambda name: cases[name]["q"]  # noqa: E731
@@ -220,10 +220,10 @@ def test_norm_mismatch_tolerates_a_few_values_off():
 
 
 def test_counting_counts_calls_and_restores():
-    import model.ops.ssd.recurrent as ssd
+    import model.ops.ssd as ssd
 
     original = ssd.mamba_state_step
-    with checks_stage.counting("model.ops.ssd.recurrent", "mamba_state_step") as calls:
+    with checks_stage.counting("model.ops.ssd", "mamba_state_step") as calls:
         x = fla_cases.ssd_inputs(T=1, P=2, N=3)
         ssd.mamba_state_step(x["x"][:, 0], x["dt"][:, 0], x["A"], x["B"][:, 0], x["C"][:, 0], x["initial_states"])
     assert calls == [1] and ssd.mamba_state_step is original

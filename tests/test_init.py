@@ -13,7 +13,7 @@ from omegaconf import OmegaConf
 from conftest import reinitialised_over_nan
 from data.mqar import mqar_slice
 from model import DecoderLM, LMConfig
-from model.mixers.gdn import DeltaRuleBlock
+from model.mixers.delta_rule import DeltaRuleBlock
 from model.registry import MIXERS
 from model.config import PARAMETRIZATIONS
 from model.ffn.routers import ROUTERS

@@ -8,9 +8,9 @@ import torch
 import torch.nn.functional as F
 from test_mixer_gdn import decode_steps, randomise, tiny_model
 
+import model.mixers.delta_rule as delta_rule_mixer
 import model.mixers.deltaproduct as deltaproduct_mixer
-import model.mixers.gdn as gdn_mixer
-from model.mixers.gdn import DeltaRuleBlock
+from model.mixers.delta_rule import DeltaRuleBlock
 from model.registry import MIXERS
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny shapes
@@ -28,7 +28,8 @@ def test_every_delta_rule_mixer_declares_its_decay():
 def op_calls(monkeypatch):
     """(g's dim or None, max beta) of every chunked and recurrent call the mixers make."""
     calls = []
-    for module, name in ((gdn_mixer, "chunk_gated_delta_rule"), (gdn_mixer, "fused_recurrent_gated_delta_rule"),
+    for module, name in ((delta_rule_mixer, "chunk_gated_delta_rule"),
+                         (delta_rule_mixer, "fused_recurrent_gated_delta_rule"),
                          (deltaproduct_mixer, "chunk_gated_delta_product"),
                          (deltaproduct_mixer, "fused_recurrent_gated_delta_product")):
         op = getattr(module, name)

@@ -5,17 +5,17 @@ the flash-linear-attention DeltaNet layer at its defaults): the delta rule with 
     S_t = S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T,  o_t = S_t q_t / sqrt(d_k)
     y = W_o RMSNorm(o)   (per head; fla's use_gate=False)
 
-allow_neg_eigval: beta in (0, 2) (Grazzi et al. 2025; model/mixers/gdn.py). The block (short convs, q/k norm,
+allow_neg_eigval: beta in (0, 2) (Grazzi et al. 2025; model/mixers/delta_rule.py). The block (short convs, q/k norm,
 beta, decoding through the conv tails and the state h [B, H, d_k, d_v]) is DeltaRuleBlock's; the rule runs on
-model/ops/gated_delta with g = None (on CUDA: fla's chunk_gated_delta_rule with g = 0, as fla's chunk_delta_rule
+model/ops/gated_delta.py with g = None (on CUDA: fla's chunk_gated_delta_rule with g = 0, as fla's chunk_delta_rule
 takes no float32, and fused_recurrent_delta_rule to decode).
 
 Init as fla's DeltaNetPreTrainedModel (every projection N(0, initializer_range), the norm's weight 1), with
 DeltaRuleBlock's short-conv kernels N(0, initializer_range) as fla's and its one deliberate difference, o_proj's
-residual scale (model/mixers/gdn.py).
+residual scale (model/mixers/delta_rule.py).
 """
 from model.layers import RMSNorm
-from model.mixers.gdn import DeltaRuleBlock, DeltaRuleOptions
+from model.mixers.delta_rule import DeltaRuleBlock, DeltaRuleOptions
 from model.registry import MIXERS
 
 

@@ -9,7 +9,7 @@ an erase gate b over the key channels and a write gate w over the value channels
     y = W_o [RMSNorm(o) * sigmoid(W_g2 W_g1 x + b_g)]   (per head, norm before the gate; low-rank gate, rank d_v)
 
 With b = w = beta it is KDA; with a scalar decay too, GDN. allow_neg_eigval: b = 2 sigmoid(W_b x) in (0, 2), the
-erase gate only, as fla's (Grazzi et al. 2025; model/mixers/gdn.py). The decay, b, q and k are per q/k head,
+erase gate only, as fla's (Grazzi et al. 2025; model/mixers/delta_rule.py). The decay, b, q and k are per q/k head,
 repeated to the value heads (num_v_heads). The block (short convs, q/k norm, decoding through the conv tails and the
 state h [B, Hv, d_k, d_v]) is DeltaRuleBlock's; the rule runs on model/ops/gated_delta with its per-channel gates
 (fla's chunk_gdn2 / fused_recurrent_gdn2 on CUDA).
@@ -17,7 +17,7 @@ state h [B, Hv, d_k, d_v]) is DeltaRuleBlock's; the rule runs on model/ops/gated
 Init as fla's layer and KDA's model (fla has no GDN-2 model): every projection N(0, initializer_range), the output
 gate's bias 0, A ~ U(1, 16) stored as log A per q/k head, softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4 per
 (q/k head, key channel), the norm's weight 1; with DeltaRuleBlock's short-conv kernels and its one deliberate
-difference, o_proj's residual scale (model/mixers/gdn.py).
+difference, o_proj's residual scale (model/mixers/delta_rule.py).
 """
 from dataclasses import dataclass
 
@@ -27,7 +27,8 @@ import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.layers import GatedRMSNorm, at_least_fp32, init_A_log_, init_dt_bias_
-from model.mixers.gdn import DeltaRuleBlock, GDNOptions
+from model.mixers.delta_rule import DeltaRuleBlock
+from model.mixers.gdn import GDNOptions
 from model.ops.kernels import repeat_heads
 from model.options import option
 from model.registry import MIXERS

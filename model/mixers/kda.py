@@ -8,15 +8,15 @@ flash-linear-attention KimiDeltaAttention layer): Gated DeltaNet with a decay pe
 
 lower_bound (fla's lower-bounded gate, off by default): g_t = lower_bound * sigmoid(exp(A_log) (W_f2 W_f1 x_t +
 dt_bias)) in (lower_bound, 0), with A_log = 0 at init as fla's safe_gate layer (fla recommends -5).
-allow_neg_eigval: beta in (0, 2) (Grazzi et al. 2025; model/mixers/gdn.py). The block (short convs, q/k norm,
+allow_neg_eigval: beta in (0, 2) (Grazzi et al. 2025; model/mixers/delta_rule.py). The block (short convs, q/k norm,
 beta, decoding through the conv tails and the state h [B, Hv, d_k, d_v]) is DeltaRuleBlock's; the rule runs on
-model/ops/gated_delta with g [B, T, Hv, d_k] (fla's chunk_kda / fused_recurrent_kda on CUDA, the decay
+model/ops/gated_delta.py with g [B, T, Hv, d_k] (fla's chunk_kda / fused_recurrent_kda on CUDA, the decay
 computed here and handed to the kernel precomputed).
 
 Init as fla's KDAPreTrainedModel: every projection N(0, initializer_range), the gate's bias 0, A ~ U(1, 16)
 stored as log A (0 with lower_bound), softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4 per (head, key
 channel), the norm's weight 1; with DeltaRuleBlock's short-conv kernels N(0, initializer_range) as fla's and
-its one deliberate difference, o_proj's residual scale (model/mixers/gdn.py).
+its one deliberate difference, o_proj's residual scale (model/mixers/delta_rule.py).
 """
 from dataclasses import dataclass
 
@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.layers import GatedRMSNorm, at_least_fp32, init_A_log_, init_dt_bias_
-from model.mixers.gdn import DeltaRuleBlock, GDNOptions
+from model.mixers.delta_rule import DeltaRuleBlock
+from model.mixers.gdn import GDNOptions
 from model.options import bad_option, option
 from model.registry import MIXERS
 
