@@ -1,7 +1,7 @@
 """What every eval suite is handed (EvalContext: the model, its data and the training length), and the
 rule for sequences past max_position_embeddings, which DecoderLM refuses.
 
-A model with rotary positions (softmax, dsa, derived_gdn and linear apply SoftmaxAttention's rotary) is
+A model with rotary positions (softmax, dsa, derived_gdn and linear apply softmax attention's rotary) is
 not measured past the bound: that length is skipped with the reason. A model without positions (every
 layer gdn or mamba2) has nothing the bound protects and is measured at any length (positions_up_to lifts
 it for the measurement). A suite that measures cost on random tokens (decode) lifts it for every model:
@@ -34,7 +34,8 @@ class EvalContext:
 
 def too_long(lm, length: int) -> str | None:
     """Why `length` tokens cannot be measured on this model, or None: past max_position_embeddings with
-    a layer that applies rotary positions (the mixers built on SoftmaxAttention carry `rotary`)."""
+    a layer that applies rotary positions (the mixers holding softmax attention's projections carry `rotary`:
+    model/mixers/attention_projections.py)."""
     limit = lm.config.max_position_embeddings
     rotary = sorted({name for name, block in zip(lm.config.layer_mixers, lm.layers) if hasattr(block.mixer, "rotary")})
     if length > limit and rotary:

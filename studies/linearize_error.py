@@ -1,5 +1,5 @@
 """Seed study: how well does softmax attention linearized into a gated delta rule (derived GDN,
-model/ops/gated_delta/derived.py derived_gated_delta_rule) approximate softmax attention?
+model/ops/gated_delta.py derived_gated_delta_rule) approximate softmax attention?
 
 (a) Approximation table (always): relative error ||o - o_softmax|| / ||o_softmax|| against exact causal
     softmax attention softmax(s q.k / sqrt(d)) v on the same q, k, v, as the logit scale s grows, for
@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from common.plots import legend_outside, pyplot, save_figure
 from model import DecoderLM
 from model.layers import AuxCollector
+from model.mixers.attention_projections import project_qkv
 from model.mixers.softmax import SoftmaxAttention
 from model.ops.gated_delta import derived_gated_delta_rule
 from model.ops.kernels import repeat_heads
@@ -203,7 +204,7 @@ def layer_errors(teacher: DecoderLM, models: dict[str, DecoderLM], batches: list
                 y = model.layers[i].mixer(x, None, AuxCollector(), segments)
                 sq_err[name][i] += (y.double() - y_teacher.double()).pow(2).sum()
             attention = teacher.layers[i].mixer
-            q, k, _ = attention.project(x, 0, None if segments is None else segments.position_ids)
+            q, k, _ = project_qkv(attention, x, 0, None if segments is None else segments.position_ids)
             k = repeat_heads(k, attention.num_heads)
             scores = torch.einsum("bthd,bshd->bhts", q, k) * attention.head_dim ** -0.5
             T = x.shape[1]

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from conftest import ROOT, TINY, ddp_launcher, run_train, train_here
 from model import DecoderLM, LMConfig
+from model.mixers.attention_projections import project_qkv
 from runs.checkpoint import load_matching_weights
 from training.objectives.linearize.linearization import Linearization
 from training.objectives.linearize.losses import distill_kl
@@ -197,7 +198,7 @@ def test_mixer_core_fits_the_input_of_o_proj():
         x, segments, y_teacher = io[i]
         cores = []
         for mixer in (lin.student.layers[i].mixer, source.layers[i].mixer):
-            q, k, v = mixer.project(x, 0, segments.position_ids)
+            q, k, v = project_qkv(mixer, x, 0, segments.position_ids)
             cores.append(mixer.core(q, k, v, None, None, segments).reshape(*x.shape[:2], -1))
         c_s, c_t = cores
         torch.testing.assert_close(source.layers[i].mixer.o_proj(c_t), y_teacher, rtol=1e-6, atol=1e-7)

@@ -4,8 +4,9 @@ top-k earlier tokens picked by a lightning indexer,
     I[t, s] = sum_{j <= H_I} w[t, j] H_I^-1/2 relu(q_i[t, j] . k_i[s] d_I^-1/2),    s <= t,
 
 with H_I indexer heads (q_i and w from the query token), one shared LayerNorm'd key k_i per token,
-and partial rotary on q_i, k_i. The projections and rotary are SoftmaxAttention's, so a softmax
-checkpoint loads unchanged; all new parameters live under `indexer`.
+and partial rotary on q_i, k_i. The projections and rotary are softmax attention's
+(model/mixers/attention_projections.py), so a softmax checkpoint loads unchanged; all new parameters
+live under `indexer`.
 
 The indexer learns from L_I = mean_t KL(p_t || softmax(I_t)), p_t the main attention probabilities
 averaged over heads (detached), reported as aux loss "dsa/indexer_kl". Its input is detached, so the
@@ -17,7 +18,7 @@ In eval mode the layer also reports "dsa/topk_attention_recall": the share of th
 mass (head-averaged) that the selected keys hold. Cached decoding reports nothing.
 
 Init as DeepSeek-V3.2 (transformers' DeepseekV32PreTrainedModel): the main projections as
-SoftmaxAttention (Llama), the indexer's q_proj, k_proj and w_proj N(0, initializer_range), its k_norm
+softmax attention's (Llama), the indexer's q_proj, k_proj and w_proj N(0, initializer_range), its k_norm
 to identity (weight 1, bias 0).
 
 Padding: as softmax, pad keys masked (the indexer's candidates and the attention's, by segment ids), a decode
@@ -31,10 +32,12 @@ from transformers import initialization as init
 
 from model.layers import KVBuffer, RotaryEmbedding
 from model.segments import DocumentSegments, continued_positions
-from model.mixers.softmax import SoftmaxAttention, attend
-from model.ops.sparse_attention import (Selection, dense_attention_probs, index_scores, index_scores_at, index_topk,
-                                        selected_attention)
-from model.ops.sparse_attention.context_parallel import fetch_selected
+from model.mixers.attention_projections import (add_attention_projections, attention_projection_flops,
+                                                init_attention_projections, project_qkv)
+from model.mixers.softmax import attend
+from model.ops.lightning_indexer import index_scores, index_scores_at, index_topk
+from model.ops.sparse_attention import Selection, dense_attention_probs, selected_attention
+from model.ops.sparse_attention_cp import fetch_selected
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -94,14 +97,18 @@ class LightningIndexer(nn.Module):
 
 
 @MIXERS.register("dsa")
-class DSAttention(SoftmaxAttention):
+class DSAttention(nn.Module):
+    parametrization = "llama"  # softmax's, whose projections it holds (model/config.py; docs/blocks.md#parametrization)
+    output_projection = "o_proj"  # the nn.Linear the output leaves through: y = o_proj(attention) (docs/extending.md)
     may_leave_parameters_unused = True  # the stage decides which of attention / indexer get gradients
     Options = DSAOptions
     context_exchange = ("the indexer keys (all-gather: d_I per token) and, in the sparse stage, the selected keys and "
                         "values of earlier ranks (each selected key once), in warm-up all keys and values")
 
     def __init__(self, config, layer_idx: int = 0):
-        super().__init__(config, layer_idx)
+        super().__init__()
+        self.layer_idx = layer_idx
+        add_attention_projections(self, config)
         opts = config.options_for_mixer("dsa", DSAOptions)
         if opts.index_rope_dim % 2 or opts.index_rope_dim > opts.index_head_dim:
             raise bad_option("dsa", "index_rope_dim", opts.index_rope_dim,
@@ -111,7 +118,7 @@ class DSAttention(SoftmaxAttention):
                                         opts.index_rope_dim, config.rope_theta)
 
     def init_parameters(self) -> None:
-        super().init_parameters()
+        init_attention_projections(self)
         ix = self.indexer
         for proj in (ix.q_proj, ix.k_proj, ix.w_proj):
             init.normal_(proj.weight, mean=0.0, std=self.init_std)
@@ -124,14 +131,14 @@ class DSAttention(SoftmaxAttention):
         its top-k and the dense paths see only the query's own document. Under context parallelism
         (segments.context) the queries are this rank's slice of the keys up to its end: the indexer scores
         all of those keys (gathered) and picks what one process would; the sparse stage then fetches only the
-        selected keys and values from the earlier ranks (model/ops/sparse_attention/context_parallel.py), the dense paths
+        selected keys and values from the earlier ranks (model/ops/sparse_attention_cp.py), the dense paths
         gather them all."""
         B, T, _ = x.shape
         offset = cache["offset"] if cache is not None else 0
         context = None if segments is None else segments.context
         positions = continued_positions(cache, segments, T, x.device)
         seg = None if segments is None else segments.segment_ids  # the keys' documents [B, S]
-        q, k, v = self.project(x, offset, positions)  # [B, T, H(kv), D]
+        q, k, v = project_qkv(self, x, offset, positions)  # [B, T, H(kv), D]
         q_i, k_i, w = self.indexer(x.detach(), offset, positions)
         first_key = None
         if cache is not None:
@@ -192,5 +199,5 @@ class DSAttention(SoftmaxAttention):
             keys = (seq_len + 1) / 2
         else:  # sum_{t=1..L} min(k, t) / L
             keys = (k * (k + 1) / 2 + (seq_len - k) * k) / seq_len
-        attention = self.projection_flops() + 2 * 2 * self.num_heads * self.head_dim * keys
+        attention = attention_projection_flops(self) + 2 * 2 * self.num_heads * self.head_dim * keys
         return attention + self.indexer.flops_per_token(seq_len, device)

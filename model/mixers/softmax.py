@@ -1,12 +1,8 @@
 """Softmax attention with GQA and RoPE: o = softmax(q k^T / sqrt(d) + causal mask) v, through
-F.scaled_dot_product_attention. Its projections (q_proj, k_proj, v_proj, o_proj) and rotary are
-reused by the mixers that replace only the core (derived_gdn, linear, dsa), so a softmax checkpoint
-loads into them unchanged.
-
-Init as Llama (transformers' LlamaPreTrainedModel): every projection N(0, initializer_range). Ours
-differs on purpose in one place, shared by every block: o_proj, which writes into the residual
-stream, gets std * 1/sqrt(2 L) (model/layers.py residual_scale) unless the model's parametrization is
-Llama's own (model/config.py).
+F.scaled_dot_product_attention. Its projections (q_proj, k_proj, v_proj, o_proj), rotary and their
+init (Llama's, o_proj's residual scale apart) are model/mixers/attention_projections.py's, the part it shares
+with the mixers that replace only the core (derived_gdn, linear, dsa), so a softmax checkpoint loads into
+them unchanged.
 
 With DocumentSegments (document masking) rotary runs at the segments' position_ids and a query
 attends only to its own segment (SDPA with the block-causal mask on CPU, FlexAttention with its
@@ -21,11 +17,12 @@ from functools import cache
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from transformers import initialization as init
 
-from model.layers import KVBuffer, RotaryEmbedding, residual_scale
-from model.segments import DocumentSegments, continued_positions
-from model.ops.attention.context_parallel import causal_attention_after
+from model.layers import KVBuffer
+from model.mixers.attention_projections import (add_attention_projections, attention_projection_flops,
+                                                forward_through_core, init_attention_projections)
+from model.segments import DocumentSegments
+from model.ops.attention_cp import causal_attention_after
 from model.registry import MIXERS
 
 
@@ -40,43 +37,14 @@ class SoftmaxAttention(nn.Module):
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()
         self.layer_idx = layer_idx
-        d = config.hidden_size
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.q_proj = nn.Linear(d, self.num_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, d, bias=False)
-        self.rotary = RotaryEmbedding(self.head_dim, config.rope_theta)
-        self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
+        add_attention_projections(self, config)
 
     def init_parameters(self) -> None:
-        for proj in (self.q_proj, self.k_proj, self.v_proj):
-            init.normal_(proj.weight, mean=0.0, std=self.init_std)
-        init.normal_(self.o_proj.weight, mean=0.0, std=self.init_std * self.residual_scale)
-
-    def project(self, x: torch.Tensor, offset: int = 0, position_ids: torch.Tensor | None = None):
-        """q [B, T, H, D], k, v [B, T, Hkv, D], rotary applied at position_ids [B, T] if given, else at
-        positions offset..offset+T-1."""
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(B, T, self.num_kv_heads, self.head_dim)
-        angles = torch.promote_types(x.dtype, torch.float32)  # fp32, fp64 for fp64 models
-        if position_ids is None:
-            cos, sin = self.rotary.cos_sin(offset, T, x.device, angles)
-        else:
-            cos, sin = self.rotary.cos_sin_at(position_ids, angles)
-        return self.rotary.apply(q, cos, sin), self.rotary.apply(k, cos, sin), v
+        init_attention_projections(self)
 
     def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None,
                 segments: DocumentSegments | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
-        offset = cache["offset"] if cache is not None else 0
-        q, k, v = self.project(x, offset, continued_positions(cache, segments, T, x.device))
-        o = self.core(q, k, v, cache, aux, segments)  # [B, T, H, D]
-        return self.o_proj(o.reshape(B, T, -1))
+        return forward_through_core(self, x, cache, aux, segments)
 
     def core(self, q, k, v, cache: dict | None, aux, segments: DocumentSegments | None = None) -> torch.Tensor:
         if segments is not None and segments.context is not None:  # the keys and values of the slices up to this one
@@ -89,15 +57,10 @@ class SoftmaxAttention(nn.Module):
         o = attend(q, k, v, segments, None if cache is None or segments is not None else cache.get("start"))
         return o.transpose(1, 2)
 
-    def projection_flops(self) -> float:
-        """Per token, q_proj, k_proj, v_proj and o_proj: 2 d (2 H + 2 Hkv) head_dim (shared by the
-        mixers that reuse these projections)."""
-        return 2 * self.q_proj.in_features * (2 * self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-
     def flops_per_token(self, seq_len: int, device) -> float:
         """Projections plus q.k and a.v over the causal context, (seq_len + 1) / 2 keys on average (as a causal
         kernel skips the masked half; the same on every device)."""
-        return self.projection_flops() + 2 * 2 * self.num_heads * self.head_dim * (seq_len + 1) / 2
+        return attention_projection_flops(self) + 2 * 2 * self.num_heads * self.head_dim * (seq_len + 1) / 2
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: DocumentSegments | None = None,
@@ -115,7 +78,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Document
     if segments is not None:
         if q.is_cuda:
             return _flex_attention()(q, k, v, block_mask=segments.attention_mask, enable_gqa=gqa)
-        if segments.context is not None and segments.one_document:  # no mask to hold (model/ops/attention/context_parallel.py)
+        if segments.context is not None and segments.one_document:  # no mask to hold (model/ops/attention_cp.py)
             return causal_attention_after(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=segments.attention_mask, enable_gqa=gqa)
     if Tq == Tk:
