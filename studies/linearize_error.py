@@ -1,5 +1,5 @@
 """Seed study: how well does softmax attention linearized into a gated delta rule (derived GDN,
-model/ops/gated_delta.py derived_gated_delta_rule) approximate softmax attention?
+model/ops/gated_delta/derived.py derived_gated_delta_rule) approximate softmax attention?
 
 (a) Approximation table (always): relative error ||o - o_softmax|| / ||o_softmax|| against exact causal
     softmax attention softmax(s q.k / sqrt(d)) v on the same q, k, v, as the logit scale s grows, for

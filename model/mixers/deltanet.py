@@ -7,7 +7,7 @@ the flash-linear-attention DeltaNet layer at its defaults): the delta rule with 
 
 allow_neg_eigval: beta in (0, 2) (Grazzi et al. 2025; model/mixers/delta_rule.py). The block (short convs, q/k norm,
 beta, decoding through the conv tails and the state h [B, H, d_k, d_v]) is DeltaRuleBlock's; the rule runs on
-model/ops/gated_delta.py with g = None (on CUDA: fla's chunk_gated_delta_rule with g = 0, as fla's chunk_delta_rule
+model/ops/gated_delta with g = None (on CUDA: fla's chunk_gated_delta_rule with g = 0, as fla's chunk_delta_rule
 takes no float32, and fused_recurrent_delta_rule to decode).
 
 Init as fla's DeltaNetPreTrainedModel (every projection N(0, initializer_range), the norm's weight 1), with

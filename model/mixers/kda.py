@@ -10,7 +10,7 @@ lower_bound (fla's lower-bounded gate, off by default): g_t = lower_bound * sigm
 dt_bias)) in (lower_bound, 0), with A_log = 0 at init as fla's safe_gate layer (fla recommends -5).
 allow_neg_eigval: beta in (0, 2) (Grazzi et al. 2025; model/mixers/delta_rule.py). The block (short convs, q/k norm,
 beta, decoding through the conv tails and the state h [B, Hv, d_k, d_v]) is DeltaRuleBlock's; the rule runs on
-model/ops/gated_delta.py with g [B, T, Hv, d_k] (fla's chunk_kda / fused_recurrent_kda on CUDA, the decay
+model/ops/gated_delta with g [B, T, Hv, d_k] (fla's chunk_kda / fused_recurrent_kda on CUDA, the decay
 computed here and handed to the kernel precomputed).
 
 Init as fla's KDAPreTrainedModel: every projection N(0, initializer_range), the gate's bias 0, A ~ U(1, 16)
