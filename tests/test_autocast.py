@@ -17,8 +17,8 @@ import model.mixers.linear as linear_mixer
 import model.mixers.mamba2 as mamba2_mixer
 import model.ops.gated_delta.chunk as gated_delta
 import model.ops.gated_delta.derived as derived_rule
-import model.ops.linear_attention as linear_attention
-import model.ops.ssd as ssd
+import model.ops.linear_attention.chunk as linear_attention
+import model.ops.ssd.chunk as ssd
 from model import DecoderLM, LMConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -220,10 +220,10 @@ def test_norm_mismatch_tolerates_a_few_values_off():
 
 
 def test_counting_counts_calls_and_restores():
-    import model.ops.ssd as ssd
+    import model.ops.ssd.recurrent as ssd
 
     original = ssd.mamba_state_step
-    with checks_stage.counting("model.ops.ssd", "mamba_state_step") as calls:
+    with checks_stage.counting("model.ops.ssd.recurrent", "mamba_state_step") as calls:
         x = fla_cases.ssd_inputs(T=1, P=2, N=3)
         ssd.mamba_state_step(x["x"][:, 0], x["dt"][:, 0], x["A"], x["B"][:, 0], x["C"][:, 0], x["initial_states"])
     assert calls == [1] and ssd.mamba_state_step is original

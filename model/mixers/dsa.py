@@ -35,9 +35,9 @@ from model.segments import DocumentSegments, continued_positions
 from model.mixers.attention_projections import (add_attention_projections, attention_projection_flops,
                                                 init_attention_projections, project_qkv)
 from model.mixers.softmax import attend
-from model.ops.lightning_indexer import index_scores, index_scores_at, index_topk
-from model.ops.sparse_attention import Selection, dense_attention_probs, selected_attention
-from model.ops.sparse_attention_cp import fetch_selected
+from model.ops.sparse_attention import (Selection, dense_attention_probs, index_scores, index_scores_at, index_topk,
+                                        selected_attention)
+from model.ops.sparse_attention.context_parallel import fetch_selected
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -131,7 +131,7 @@ class DSAttention(nn.Module):
         its top-k and the dense paths see only the query's own document. Under context parallelism
         (segments.context) the queries are this rank's slice of the keys up to its end: the indexer scores
         all of those keys (gathered) and picks what one process would; the sparse stage then fetches only the
-        selected keys and values from the earlier ranks (model/ops/sparse_attention_cp.py), the dense paths
+        selected keys and values from the earlier ranks (model/ops/sparse_attention/context_parallel.py), the dense paths
         gather them all."""
         B, T, _ = x.shape
         offset = cache["offset"] if cache is not None else 0

@@ -23,7 +23,7 @@ from model.mixers.attention_projections import (add_attention_projections, atten
                                                 forward_through_core, init_attention_projections)
 from model.ops.kernels import repeat_heads
 from model.ops.linear_attention import chunk_linear_attn, chunk_linear_attn_flops
-from model.ops.linear_attention_cp import chunk_linear_attn_cp
+from model.ops.linear_attention.context_parallel import chunk_linear_attn_cp
 from model.options import bad_option, option
 from model.registry import MIXERS
 
@@ -42,7 +42,7 @@ class LinearAttention(nn.Module):
     parametrization = "llama"  # softmax's, whose projections it holds (model/config.py; docs/blocks.md#parametrization)
     output_projection = "o_proj"  # the nn.Linear the output leaves through: y = o_proj(core) (docs/extending.md)
     Options = LinearOptions
-    context_exchange = "the state and key sum of each slice (H K (V + 1) per row: model/ops/linear_attention_cp.py)"
+    context_exchange = "the state and key sum of each slice (H K (V + 1) per row: model/ops/linear_attention/context_parallel.py)"
 
     def __init__(self, config, layer_idx: int = 0):
         super().__init__()

@@ -22,7 +22,7 @@ from model.layers import KVBuffer
 from model.mixers.attention_projections import (add_attention_projections, attention_projection_flops,
                                                 forward_through_core, init_attention_projections)
 from model.segments import DocumentSegments
-from model.ops.attention_cp import causal_attention_after
+from model.ops.attention.context_parallel import causal_attention_after
 from model.registry import MIXERS
 
 
@@ -78,7 +78,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segments: Document
     if segments is not None:
         if q.is_cuda:
             return _flex_attention()(q, k, v, block_mask=segments.attention_mask, enable_gqa=gqa)
-        if segments.context is not None and segments.one_document:  # no mask to hold (model/ops/attention_cp.py)
+        if segments.context is not None and segments.one_document:  # no mask to hold (model/ops/attention/context_parallel.py)
             return causal_attention_after(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=segments.attention_mask, enable_gqa=gqa)
     if Tq == Tk:
