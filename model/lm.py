@@ -294,10 +294,11 @@ class DecoderLM(PreTrainedModel, GenerationMixin):
         baseline, eval_token_loss), else 0."""
         return int(any(getattr(m, "needs_eval_forward", False) for m in self.modules()))
 
-    def leaves_parameters_unused(self) -> bool:
-        """True if a training step may leave some parameter without a gradient (a block declares
-        `may_leave_parameters_unused`), so DDP must search the graph for unused parameters."""
-        return any(getattr(m, "may_leave_parameters_unused", False) for m in self.modules())
+    @property
+    def may_leave_parameters_unused(self) -> bool:
+        """True if a training step may leave some parameter without a gradient (a block declares it with the same
+        name), so DDP must search the graph for unused parameters."""
+        return any(getattr(m, "may_leave_parameters_unused", False) for m in self.modules() if m is not self)
 
     def parameter_counts(self) -> dict[str, int]:
         """Total parameters, and active ones per token (MoE counts only routed-to experts)."""

@@ -1,22 +1,28 @@
 """A run's own plots, from its metrics.jsonl, drawn at the end of training: the loss curves, for MoE runs the
 expert-load heatmap and the imbalance curve (the `moe/...` metrics of model/ffn/moe.py), and for state-tracking runs
 the accuracy against length (the `val/state_acc/<len>` bands of data/state_tracking.py); with the pieces the report's
-comparisons of runs draw alike (analysis/plots.py)."""
+comparisons of runs draw alike (analysis/plots.py). Each takes the rows read once (runs/metrics.py read_metrics)."""
 import json
 import re
 from pathlib import Path
 
 from common.plots import legend_outside, pyplot, save_figure
-from runs.metrics import read_metrics
 
 
-def plot_loss_curves(run_dir: Path) -> Path | None:
-    """train/val loss against tokens seen -> <run_dir>/loss.png."""
-    rows = read_metrics(run_dir)
+def plot_run(run_dir: Path, rows: list[dict]) -> list[Path]:
+    """Every plot of the run the rows (its metrics.jsonl) call for, written into run_dir: the loss curves (loss.png);
+    MoE: the load heatmap and the imbalance; state tracking: the accuracy against length."""
+    run_dir = Path(run_dir)
+    figures = {**loss_curves(run_dir, rows), **moe_load(run_dir, rows), **state_accuracy(run_dir, rows)}
+    return [save_figure(fig, run_dir / name) for name, fig in figures.items()]
+
+
+def loss_curves(run_dir: Path, rows: list[dict]) -> dict:
+    """{"loss.png": train/val loss against tokens seen}, or {} without train rows."""
     train = [(r["tokens_seen"], r["train/loss"]) for r in rows if "train/loss" in r]
     val = [(r["tokens_seen"], r["val/loss"]) for r in rows if "val/loss" in r]
     if not train:
-        return None
+        return {}
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(*zip(*train), label="train")
@@ -27,7 +33,7 @@ def plot_loss_curves(run_dir: Path) -> Path | None:
     ax.set_title(Path(run_dir).name)
     ax.legend()
     fig.tight_layout()
-    return save_figure(fig, Path(run_dir) / "loss.png")
+    return {"loss.png": fig}
 
 
 LOAD = re.compile(r"^moe/layer(\d+)/load$")
@@ -51,17 +57,17 @@ def load_grid(row: dict, layers: list[int]):
     return np.array([row.get(f"moe/layer{i}/load", np.nan) for i in layers], dtype=float)
 
 
-def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
-    run_dir = Path(run_dir)
-    rows = read_metrics(run_dir)
+def moe_load(run_dir: Path, rows: list[dict], last_n: int = 10) -> dict:
+    """{"moe_load_heatmap.png": each layer's expert loads at the last log and over the last_n, "moe_imbalance.png":
+    max / mean load against steps}, those the rows log."""
     loads = load_rows(rows)
     imbalance = [r for r in rows if any(IMBALANCE.match(k) or k == "moe/imbalance" for k in r)]
     if not loads and not imbalance:
-        return []
+        return {}
     import numpy as np
 
     plt = pyplot()
-    written = []
+    figures = {}
     if loads:
         layers = load_layers(loads)
         recent = loads[-last_n:]
@@ -82,7 +88,7 @@ def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
             ax.set_title(title, fontsize=9)
         fig.colorbar(im, ax=axes[0].tolist(), label=f"share of assignments (uniform = 1/{E} = {1 / E:.3f})")
         fig.suptitle(f"MoE expert load: {run_dir.name}", fontsize=10)
-        written.append(save_figure(fig, run_dir / "moe_load_heatmap.png"))
+        figures["moe_load_heatmap.png"] = fig
     if imbalance:
         layers = sorted({int(m.group(1)) for r in imbalance for k in r if (m := IMBALANCE.match(k))})
         fig, ax = plt.subplots(figsize=(6, 4))
@@ -98,21 +104,20 @@ def plot_moe_load(run_dir, last_n: int = 10) -> list[Path]:
         ax.set_title(f"MoE imbalance: {run_dir.name}", fontsize=10)
         ax.legend(fontsize=7, ncol=2)
         fig.tight_layout()
-        written.append(save_figure(fig, run_dir / "moe_imbalance.png"))
-    return written
+        figures["moe_imbalance.png"] = fig
+    return figures
 
 
 STATE_ACC = re.compile(r"^val/state_acc/(\d+)$")
 
 
-def plot_state_accuracy(run_dir) -> Path | None:
-    """state_acc.png: each length band's accuracy at the band's length L (prefix lengths (L/2, L]; log2 axis), one
+def state_accuracy(run_dir: Path, rows: list[dict]) -> dict:
+    """{"state_acc.png": each length band's accuracy at the band's length L (prefix lengths (L/2, L]; log2 axis), one
     line per evaluation (the last one bold), chance (1 / the group's order, from run_info.json) and the training
-    length (the first band's)."""
-    run_dir = Path(run_dir)
-    evals = [r for r in read_metrics(run_dir) if any(STATE_ACC.match(k) for k in r)]
+    length (the first band's)}, or {} without state-tracking evaluations."""
+    evals = [r for r in rows if any(STATE_ACC.match(k) for k in r)]
     if not evals:
-        return None
+        return {}
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, row in enumerate(evals):
@@ -128,7 +133,7 @@ def plot_state_accuracy(run_dir) -> Path | None:
     state_accuracy_axes(ax, lengths, "length L (the band of prefix lengths (L/2, L])")
     ax.set_title(f"state tracking: {run_dir.name}", fontsize=10)
     legend_outside(ax)
-    return save_figure(fig, run_dir / "state_acc.png")
+    return {"state_acc.png": fig}
 
 
 def state_accuracy_axes(ax, lengths: list[int], xlabel: str) -> None:

@@ -5,7 +5,7 @@ document each (no document positions), FSDP again sharded by FSDP2 over all the 
 
     accelerate launch --config_file configs/accelerate/cpu_ddp.yaml --num_processes W -m tests.cp_worker OUT CP[,CP...] [CASES]
 
-For each CP, the W processes form (W / CP data replicas) x (CP context ranks) through training/context_parallel.py,
+For each CP, the W processes form (W / CP data replicas) x (CP context ranks) through training/parallel.py,
 as a run does. Data: 2 rows per data replica of T = 92 tokens (23 per rank at CP 4, 46 at CP 2: not a multiple of any
 op's chunk), with packed documents that start on either side of the rank edges, exactly on one, and cross
 several; a row of one document. The reference, on every rank: one process (the same model, in the same dtype)
@@ -160,7 +160,7 @@ def main(out: Path, sizes: list[int], only: list[str] | None = None) -> None:
     at the first."""
     from accelerate import PartialState
 
-    from training.context_parallel import apply_context_parallel, check_context_parallel
+    from training.parallel import apply_context_parallel, check_context_parallel
 
     torch.set_num_threads(1)
     count_unmasked_attention()

@@ -1,4 +1,4 @@
-"""Context parallelism (trainer.context_parallel; training/context_parallel.py, model/ops/context_parallel.py and each
+"""Context parallelism (trainer.context_parallel; training/parallel.py, model/ops/context_parallel.py and each
 op's context-parallel form) on gloo processes, each test asserting the world, context and data-parallel sizes that ran:
 
 - every registered mixer (with negative eigenvalues where it has them, DSA's warm-up stage too) and a hybrid with
@@ -28,7 +28,7 @@ from model import DecoderLM, LMConfig
 from model.layers import ShortConv
 from model.segments import DocumentSegments
 from model.registry import MIXERS
-from training.context_parallel import check_context_parallel
+from training.parallel import check_context_parallel
 from runs.metrics import read_metrics
 
 

@@ -299,7 +299,7 @@ def test_per_mixer_takes_the_default_for_a_mixer_that_declares_no_parametrizatio
 
 @pytest.mark.parametrize("name", MIXERS.names())
 def test_declares_its_context_parallel_means(name):
-    """Under trainer.context_parallel a mixer without `context_exchange` is refused (training/context_parallel.py); one
+    """Under trainer.context_parallel a mixer without `context_exchange` is refused (training/parallel.py); one
     with it is run against one process by tests/test_context_parallel.py, whose cases come from this registry."""
     from cp_worker import cases
 

@@ -211,18 +211,20 @@ def doc_block(page: Path, language: str, first_line: str) -> str:
     return blocks[0]
 
 
-# In a fresh process: exec the mixer file (its @MIXERS.register runs before train.py's register_hydra() stores its
-# Options as mixer_options/<name>), then train.py's main on each run's overrides, one after another (imported,
-# main's configs/ is given as an absolute --config-path: Hydra would look for a module)
-TRAIN_WITH_MIXER = """
+# In a fresh process: exec the example files (a mixer's @MIXERS.register runs before train.py's register_hydra() stores
+# its Options as mixer_options/<name>, an objective's before training/validation.py lists the objectives), then
+# train.py's main on each run's overrides, one after another (imported, main's configs/ is given as an absolute
+# --config-path: Hydra would look for a module)
+TRAIN_WITH_FILES = """
 import json, sys, types
 from pathlib import Path
 
-root, mixer_file, runs = sys.argv[1:]
+root, files, runs = sys.argv[1:]
 sys.path.insert(0, root)
-module = types.ModuleType(Path(mixer_file).stem)
-sys.modules[module.__name__] = module
-exec(compile(Path(mixer_file).read_text(), mixer_file, "exec"), module.__dict__)
+for file in json.loads(files):
+    module = types.ModuleType(Path(file).stem)
+    sys.modules[module.__name__] = module
+    exec(compile(Path(file).read_text(), file, "exec"), module.__dict__)
 
 import train
 from accelerate.state import AcceleratorState
@@ -235,30 +237,36 @@ for overrides in json.loads(runs):
 
 
 @pytest.mark.slow
-def test_the_new_mixer_example_trains_under_mqar_and_state_tracking(tmp_path):
+def test_the_new_mixer_and_objective_examples_train(tmp_path):
     """docs/extending.md's shift mixer, its two files as written (in tmp_path, configs/ on Hydra's search path), trains
     2 steps under experiment=mqar and experiment=state_tracking (each sets model.parametrization=per_mixer, which
-    gives shift, declaring none, llama's untied output layer)."""
+    gives shift, declaring none, llama's untied output layer); its label-smoothing objective, as written, trains 2
+    steps beside, with a loss above the plain cross-entropy it logs."""
     import json
     import subprocess
 
     page = ROOT / "docs" / "extending.md"
-    mixer_file = tmp_path / "shift.py"
+    mixer_file, objective_file = tmp_path / "shift.py", tmp_path / "smoothed.py"
     mixer_file.write_text(doc_block(page, "python", "# model/mixers/shift.py"))
+    objective_file.write_text(doc_block(page, "python", "# training/objectives/smoothed.py"))
     (tmp_path / "configs" / "mixer").mkdir(parents=True)
     (tmp_path / "configs" / "mixer" / "shift.yaml").write_text(doc_block(page, "yaml", "# configs/mixer/shift.yaml"))
     tiny = ["mixer=shift", "model.hidden_size=32", "trainer.seq_len=16", "trainer.batch_size=8", "trainer.max_steps=2",
             "trainer.warmup_steps=1", "trainer.eval_every=2", "trainer.log_every=1", f"hydra.searchpath=[file://{tmp_path / 'configs'}]"]
-    runs = {"mqar": ["experiment=mqar", "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64}]",
-                     "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:8}]"],
-            "state_tracking": ["experiment=state_tracking", "data.task=s3", "data.train_examples=64", "data.test_examples=4"]}
-    proc = subprocess.run([sys.executable, "-c", TRAIN_WITH_MIXER, str(ROOT), str(mixer_file),
+    mqar = ["experiment=mqar", "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64}]",
+            "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:8}]"]
+    runs = {"mqar": mqar, "state_tracking": ["experiment=state_tracking", "data.task=s3", "data.train_examples=64",
+                                             "data.test_examples=4"],
+            "smoothed": [*mqar, "objective=smoothed"]}
+    proc = subprocess.run([sys.executable, "-c", TRAIN_WITH_FILES, str(ROOT), json.dumps([str(mixer_file), str(objective_file)]),
                            json.dumps([[*overrides, *tiny, f"run_dir={tmp_path / name}"] for name, overrides in runs.items()])],
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for name, metric in (("mqar", "val/mqar_acc"), ("state_tracking", "val/state_acc")):
+    for name, metric in (("mqar", "val/mqar_acc"), ("state_tracking", "val/state_acc"), ("smoothed", "val/mqar_acc")):
         info = json.loads((tmp_path / name / "run_info.json").read_text())
-        assert info["layer_mixers"] == ["shift", "shift"] and info["data"] == name, info
+        assert info["layer_mixers"] == ["shift", "shift"], info
         rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows if metric in r] == [2], rows
         assert json.loads((tmp_path / name / "final" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert "objective smoothed: cross-entropy with label smoothing 0.1 for 2 steps" in proc.stdout + proc.stderr
+    assert "objective: smoothed" in (tmp_path / "smoothed" / "config.yaml").read_text()

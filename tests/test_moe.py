@@ -349,8 +349,8 @@ def test_autocast_bf16_runs_experts_in_bf16_and_routes_in_fp32():
 
 
 def test_moe_report_plots(tmp_path):
-    from runs.metrics import to_python
-    from runs.plots import plot_moe_load
+    from runs.metrics import read_metrics, to_python
+    from runs.plots import plot_run
 
     model = tiny_lm(["dense", "moe"])
     data = torch.randint(0, 64, (2, 16))
@@ -358,10 +358,10 @@ def test_moe_report_plots(tmp_path):
         for step in range(1, 4):
             out = model(data, labels=data)
             f.write(json.dumps({"step": step, **{k: to_python(v) for k, v in out.aux_metrics.items()}}) + "\n")
-    paths = plot_moe_load(tmp_path)
-    assert sorted(p.name for p in paths) == ["moe_imbalance.png", "moe_load_heatmap.png"]
+    paths = plot_run(tmp_path, read_metrics(tmp_path))
+    assert sorted(p.name for p in paths) == ["moe_imbalance.png", "moe_load_heatmap.png"]  # no train/loss rows
     assert all(p.stat().st_size > 1000 for p in paths)
     empty = tmp_path / "dense_run"
     empty.mkdir()
-    (empty / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 3.0}) + "\n")
-    assert plot_moe_load(empty) == [] and not list(empty.glob("*.png"))
+    (empty / "metrics.jsonl").write_text(json.dumps({"step": 1, "tokens_seen": 64, "train/loss": 3.0}) + "\n")
+    assert [p.name for p in plot_run(empty, read_metrics(empty))] == ["loss.png"]  # no MoE plots for a dense run

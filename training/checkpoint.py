@@ -87,7 +87,8 @@ def save_checkpoint(run_dir: Path, model, optimizers: list, scheduler, state: di
         shutil.rmtree(tmp)
     barrier()
     model_state, optim_state = get_state_dict(model, optimizers)
-    run_dcp(dcp.save, with_expert_shards({"model": model_state, "optim": optim_state}, model, expert_mesh), tmp / "state")
+    saved = with_expert_shards({"model": model_state, "optim": optim_state}, model, expert_mesh)
+    run_dcp(dcp.save, saved, tmp / "state")
     if is_main():
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         write_model_files(tmp, model, tokenizer, training_config)

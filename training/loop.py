@@ -101,12 +101,12 @@ def train_step(run: Run) -> tuple[float, dict, float]:
     if run.expert_mesh is None:
         grad_norm = a.clip_grad_norm_(run.model.parameters(), tc.grad_clip)
     else:  # expert shards: their gradients reduced over data replicas, their norm over the expert ranks
-        from training.parallel import reduce_and_clip_gradients, step_metrics
+        from training.parallel import expert_metrics, reduce_and_clip_gradients
 
         grad_norm = reduce_and_clip_gradients(run.lm, run.expert_mesh, tc.grad_clip)
-        aux.update(step_metrics(run.lm, a.device))
+        aux.update(expert_metrics(run.lm, a.device))
     if run.context is not None:
-        from training.context_parallel import step_metrics as context_metrics
+        from training.parallel import context_metrics
 
         aux.update(context_metrics(run.context, a.device))
     run.optimizer.step()
@@ -181,19 +181,21 @@ def finish(run: Run, last_log: dict) -> float:
     then on the main process: plots, the summary, and a sample from the exported model."""
     from evaluation.samples import sample
     from runs.checkpoint import load_lm
-    from runs.plots import plot_loss_curves, plot_moe_load, plot_state_accuracy
+    from runs.metrics import read_metrics, run_summary
+    from runs.plots import plot_run
     from training.checkpoint import export_final
 
     a, cfg, tc = run.accelerator, run.cfg, run.cfg.trainer
     final = evaluate(run) if run.step % tc.eval_every else {k: v for k, v in last_log.items() if k.startswith("val/")}
     folder = export_final(run.lm, run.data.tokenizer, OmegaConf.to_yaml(cfg, resolve=True), run.run_dir, run.expert_mesh)
     if a.is_main_process:
-        plots = [p for p in [plot_loss_curves(run.run_dir), *plot_moe_load(run.run_dir), plot_state_accuracy(run.run_dir)]
-                 if p]  # MoE: heatmap, imbalance; state tracking: accuracy against length
+        rows = read_metrics(run.run_dir)
+        summary = run_summary(rows, run.lm.parameter_counts(), time.time() - run.t_origin)
+        plots = plot_run(run.run_dir, rows)
         if cfg.logger.name == "wandb":
             from runs.tracking import finish_run
 
-            finish_run(a, run.run_dir, run.lm.parameter_counts(), time.time() - run.t_origin, plots)
+            finish_run(a, summary, rows, plots)
         lines = [f"val loss {final['val/loss']:.4f} | ppl {final['val/ppl']:.2f}"
                  + (f" | bpb {final['val/bpb']:.4f}" if "val/bpb" in final else "")]
         lines += [f"{k} {v:.4f}" for k, v in final.items()

@@ -2,15 +2,31 @@
 Hydra config (configs/train.yaml) on Accelerate (one CPU/GPU process, or DDP/FSDP under
 `accelerate launch`), writes <run_dir>/config.yaml and run_info.json, and resumes if asked.
 training/loop.py runs the loop on the Run."""
+from __future__ import annotations
+
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from runs.config import lm_config
+
+if TYPE_CHECKING:  # the types only: these import accelerate, the model and the data at setup, not at import
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from data import Data
+    from model import DecoderLM
+    from model.ops.context_parallel import ContextGroup
+    from training.budget import StepCosts
+    from training.objectives import Objective
+    from training.parallel import DataShare
+    from training.perf import Peak
 
 
 @dataclass
@@ -20,30 +36,30 @@ class Run:
     the optimizer (as prepared; `optimizers` are the torch optimizers inside it, whose state is
     checkpointed), and where the run stands."""
     cfg: DictConfig
-    accelerator: object
+    accelerator: Accelerator
     run_dir: Path
-    data: object
-    lm: object
-    model: object
-    objective: object
-    optimizer: object
-    optimizers: list
-    scheduler: object
+    data: Data
+    lm: DecoderLM
+    model: torch.nn.Module  # the objective's module as Accelerate prepared it (DDP, FSDP2, compiled)
+    objective: Objective
+    optimizer: AcceleratedOptimizer
+    optimizers: list[torch.optim.Optimizer]
+    scheduler: torch.optim.lr_scheduler.LRScheduler
     micro: int             # sequences per data replica per micro-step
-    costs: object          # training.budget.StepCosts: training FLOPs per token of each step (the objective's)
-    peak: object           # training.perf.Peak of one device (MFU = achieved per device / peak.flops)
+    costs: StepCosts       # training FLOPs per token of each step (the objective's)
+    peak: Peak             # of one device (MFU = achieved per device / peak.flops)
     step: int
     t_origin: float        # time/elapsed counts from here (moved back on resume)
     last_ckpt: Path | None
-    expert_mesh: object = None  # the (dp, ep) DeviceMesh with trainer.expert_parallel > 1 (training/parallel.py)
-    context: object = None  # this process's ContextGroup with trainer.context_parallel > 1 (training/context_parallel.py)
-    share: object = None    # training.context_parallel.DataShare of the context groups; None: each process its own
+    expert_mesh: DeviceMesh | None = None  # the (dp, ep) mesh with trainer.expert_parallel > 1 (training/parallel.py)
+    context: ContextGroup | None = None    # this process's context group with trainer.context_parallel > 1
+    share: DataShare | None = None         # the context groups' data share; None: each process its own
 
     @property
     def data_share(self):
-        """Which share of each global batch this process reads (training.context_parallel.DataShare): its data
+        """Which share of each global batch this process reads (training.parallel.DataShare): its data
         replica's under context parallelism, else its own."""
-        from training.context_parallel import DataShare
+        from training.parallel import DataShare
 
         return self.share or DataShare(self.accelerator.process_index, self.accelerator.num_processes)
 
@@ -67,8 +83,7 @@ def setup(cfg: DictConfig) -> Run:
     from training import checkpoint as ckpt
     from training.objectives import OBJECTIVES
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
-    from training.context_parallel import apply_context_parallel, data_replicas
-    from training.parallel import apply_expert_parallel
+    from training.parallel import apply_context_parallel, apply_expert_parallel, data_replicas
     from training.budget import StepCosts, set_steps_from_budget
     from training.perf import device_peak
     from training.validation import check_steps
@@ -99,8 +114,11 @@ def setup(cfg: DictConfig) -> Run:
     lm = DecoderLM(lm_config(cfg, data.vocab_size, eos))
     objective = OBJECTIVES.get(cfg.objective)(cfg, lm, state, data)  # what the run starts from, trains and minimises
     counts = lm.parameter_counts()  # of the whole model, before expert parallelism keeps a rank's share
-    costs = StepCosts(objective.flops_schedule(tc.seq_len, device_type()), tc.batch_size * tc.seq_len)
-    if budget_line := set_steps_from_budget(cfg, costs):
+    schedule = objective.flops_schedule(tc.seq_len, device_type())  # training FLOPs per token from each step on
+    costs = StepCosts(schedule, tc.batch_size * tc.seq_len)
+    budget_line = set_steps_from_budget(cfg, costs)
+    train_flops = costs.flops_through(tc.max_steps)
+    if budget_line:
         check_steps(cfg)
     if tc.expert_parallel > 1 and state.distributed_type == DistributedType.FSDP:
         raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
@@ -109,7 +127,7 @@ def setup(cfg: DictConfig) -> Run:
                                             "cuda" if use_cuda else "cpu", tc.seq_len, cfg.objective)
 
     # DDP searches the graph for parameters without gradients only where some can have none.
-    find_unused = lm.leaves_parameters_unused() or objective.leaves_parameters_unused
+    find_unused = lm.may_leave_parameters_unused or objective.may_leave_parameters_unused
     accelerator = Accelerator(
         cpu=not use_cuda, mixed_precision="bf16" if (use_cuda and tc.bf16) else "no",
         log_with="wandb" if cfg.logger.name == "wandb" else None,
@@ -129,7 +147,8 @@ def setup(cfg: DictConfig) -> Run:
               step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh, context=context, share=share)
     resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
     if resume_from is not None:
-        objective.begin_step(ckpt.trainer_state(resume_from)["step"] - 1)  # its optimizer state is of that step's phase
+        resumed_step = ckpt.trainer_state(resume_from)["step"]
+        objective.begin_step(resumed_step - 1)  # its optimizer state is of that step's phase
         saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler, expert_mesh)
         run.step, run.last_ckpt = saved["step"], resume_from
         run.t_origin -= saved["elapsed"]  # time/elapsed continues from where the checkpoint left off
@@ -151,8 +170,8 @@ def setup(cfg: DictConfig) -> Run:
         (run_dir / "run_info.json").write_text(json.dumps({
             "name": cfg.name, "params": counts, "layer_mixers": lm.config.layer_mixers,
             "layer_ffns": lm.config.layer_ffns, "size": cfg.model.size, "seq_len": tc.seq_len,
-            "train_flops_per_token": costs.flops_through(tc.max_steps) / (tc.max_steps * run.tokens_per_step),  # mean
-            "max_steps": tc.max_steps, "train_flops": costs.flops_through(tc.max_steps), "processes": world,
+            "train_flops_per_token": train_flops / (tc.max_steps * run.tokens_per_step),  # mean
+            "max_steps": tc.max_steps, "train_flops": train_flops, "processes": world,
             "expert_parallel": tc.expert_parallel, "context_parallel": tc.context_parallel,
             "distributed_type": accelerator.distributed_type.value, "device": str(accelerator.device),
             "ddp_find_unused_parameters": getattr(model, "find_unused_parameters", None),

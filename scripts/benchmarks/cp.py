@@ -53,7 +53,7 @@ def worker(mixer: str, length: int, steps: int, out: Path) -> None:
     import torch
     import torch.distributed as dist
 
-    from training.context_parallel import apply_context_parallel
+    from training.parallel import apply_context_parallel
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -14,7 +14,7 @@ The loop (training/loop.py) sees only this interface:
     objective.phase_ends(max_steps) -> {step: phase}   where a phase ends: the loop logs and evaluates there
     objective.evaluates_at_start  the loop evaluates once before the first step (a student zero-shot)
     objective.start_metrics       {name: value} logged with that evaluation (what the objective measured at setup)
-    objective.leaves_parameters_unused   some steps leave parameters without a gradient (DDP must search)
+    objective.may_leave_parameters_unused   some steps leave parameters without a gradient (DDP must search)
     objective.describe(max_steps) -> str | None   the plan, printed at the start
     objective.flops_schedule(seq_len, device) -> [(first step, training FLOPs per token)]   what each step costs
                                   from that step on (training/budget.py StepCosts: the budget, flops_seen, MFU):
@@ -76,7 +76,7 @@ class Objective:
         return self.lm
 
     @property
-    def leaves_parameters_unused(self) -> bool:
+    def may_leave_parameters_unused(self) -> bool:  # trainer.trainable freezes the rest
         return bool(self.cfg.trainer.trainable)
 
     def begin_step(self, step: int) -> None:

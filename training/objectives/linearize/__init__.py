@@ -20,9 +20,9 @@ fla's hybrid distillation); the best m are kept, and the run's config records th
 The stage is a function of the step, so a checkpoint resumes inside any stage. The teacher lives outside
 the student's module tree: DDP, the optimizer, checkpoints and the export see only the student.
 
-Here: the objective; stages.py the stage schedule; teacher.py the teacher and which layers stay softmax;
-losses.py what the stages fit; linearization.py the student beside its teacher; options.py the linearize.*
-keys' rules and checks.
+Here: the objective; linearization.py the stage schedule and the student beside its teacher; teacher.py the
+teacher and which layers stay softmax; losses.py what the stages fit; options.py the linearize.* keys' rules and
+checks.
 """
 import copy
 
@@ -32,8 +32,7 @@ from omegaconf import OmegaConf
 
 from training.objectives import OBJECTIVES, Objective
 from training.objectives.linearize import options
-from training.objectives.linearize.linearization import Linearization
-from training.objectives.linearize.stages import stage_at, stage_ends, uses_teacher
+from training.objectives.linearize.linearization import Linearization, stage_at, stage_ends, uses_teacher
 from training.objectives.linearize.teacher import (kl_with_each_layer_softmax, load_teacher, parse_keep_softmax,
                                                     teacher_state_for, with_softmax_layers)
 
@@ -138,8 +137,8 @@ class Linearize(Objective):
         return self.selection
 
     @property
-    def leaves_parameters_unused(self) -> bool:  # the stages train different sets
-        return self.linearization is not None or super().leaves_parameters_unused
+    def may_leave_parameters_unused(self) -> bool:  # the stages train different sets
+        return self.linearization is not None or super().may_leave_parameters_unused
 
     def begin_step(self, step: int) -> None:
         if self.linearization is not None:
