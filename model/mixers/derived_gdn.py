@@ -1,7 +1,7 @@
 """Derived GDN: softmax attention linearized into a gated delta rule with fixed 1/t gates.
 
 Same parameters as the softmax mixer (q_proj, k_proj, v_proj, o_proj, rotary: model/mixers/attention_projections.py),
-so a softmax checkpoint loads unchanged; only the core differs (model/ops/gated_delta.py, derived_gated_delta_rule):
+so a softmax checkpoint loads unchanged; only the core differs (model/ops/gated_delta/derived.py, derived_gated_delta_rule):
 
     ktil_t = k_t - mean(k_1..k_t),  vtil_t = v_t - mean(v_1..v_{t-1})
     A_t = A_{t-1} ((1 - 1/t) I - (1/t) ktil_t ktil_t^T) + (1/t) vtil_t ktil_t^T,  o_t = A_t q_t + mean(v_1..v_t)

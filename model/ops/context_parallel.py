@@ -5,7 +5,7 @@ rank r holds tokens [r L, (r + 1) L) of every row. The slices are contiguous, no
 (r, 2P - 1 - r) that causal softmax alone would prefer: a recurrent mixer passes its state from each slice to the
 next, and in a hybrid every layer reads the same residual stream, so one order must serve every layer
 (docs/distributed.md#context-parallelism). Each mixer's context-parallel form sits beside its op
-(model/ops/*_cp.py, model/mixers/softmax.py, dsa.py) and exchanges only what its math needs, through these
+(model/ops/<op>/context_parallel.py, model/mixers/softmax.py, dsa.py) and exchanges only what its math needs, through these
 methods, each differentiable (its backward is the reverse exchange), so the training loop's backward needs
 no special code:
 
