@@ -30,7 +30,7 @@ def evaluate(cfg: DictConfig, lm, folder: Path) -> tuple[dict, list[Path]]:
     from evaluation.harness import lm_eval_scores
     from evaluation.samples import sample
     from evaluation.scoring import score_validation
-    from evaluation.suites.length import plot_loss_by_position
+    from evaluation.per_position import plot_loss_by_position
     from model.options import parse_options
 
     title = f"{folder.parent.name}/{folder.name}"

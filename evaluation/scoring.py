@@ -82,11 +82,12 @@ def score_validation(model, data: Data, batch_size: int, max_sequences: int | No
     """val/loss, val/ppl, val/bpb and val/tokens over the first max_sequences val sequences, each of the
     `world` processes scoring its share in forwards of batch_size (reduce_sum(x): x summed over the
     processes; None with one process); val/<aux metric> of those forwards, token-weighted over processes; a
-    model whose MoE router is not causal (expert_choice, balanced) scored a second time with its training
-    routing over each forward's batch, under val/batch_routing/; the data's own evaluation (MQAR accuracy).
+    model whose blocks declare evaluation variants (model/layers.py eval_variant_names: a non-causal MoE router's
+    training routing over each forward's batch, "batch_routing") scored again under each, as val/<variant>/...;
+    the data's own evaluation (MQAR accuracy).
     With per_position (one process), also "per_position": the mean loss at each position. With a context
     (context parallelism) rank and world are this process's data replica and their count (evaluate_split)."""
-    from model.ffn.moe import batch_routing_at_eval
+    from model.layers import eval_variant, eval_variant_names
 
     reduce_sum = reduce_sum or (lambda x: x)
 
@@ -102,10 +103,10 @@ def score_validation(model, data: Data, batch_size: int, max_sequences: int | No
     out.update({f"val/{k}": (v / max(tokens, 1)).float() for k, v in aux.items()})
     if per_position:
         out["per_position"] = r["per_position"].tolist()
-    with batch_routing_at_eval(model) as batch_routed:
-        if batch_routed:  # expert_choice / balanced: the same sequences routed as in training (not causal)
-            routed, _ = scored()
-            out.update({f"val/batch_routing/{k.removeprefix('val/')}": v for k, v in routed.items() if k != "val/tokens"})
+    for name in eval_variant_names(model):  # e.g. expert_choice / balanced: the same sequences routed as in training
+        with eval_variant(model, name):
+            varied, _ = scored()
+        out.update({f"val/{name}/{k.removeprefix('val/')}": v for k, v in varied.items() if k != "val/tokens"})
     if data.extra_eval is not None:
         out.update(data.extra_eval(model, device))
     return out

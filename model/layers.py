@@ -9,6 +9,7 @@ lm_head. It must use `transformers.initialization` (which skips tensors that `fr
 loaded, flagged `_is_hf_initialized`), never in-place arithmetic on a parameter.
 """
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -17,6 +18,26 @@ from transformers import initialization as init
 
 from model.ops.kernels import accumulation_dtype
 from model.segments import DocumentSegments
+
+
+def eval_variant_names(model: nn.Module) -> list[str]:
+    """The evaluation variants the model's blocks declare: a block whose evaluation forward can also run another way
+    (a non-causal router's training routing) names it in `eval_variants` and switches with set_eval_variant(name or
+    None); the val scorer scores each variant a second time, under val/<name>/ (evaluation/scoring.py)."""
+    return sorted({name for m in model.modules() for name in getattr(m, "eval_variants", ())})
+
+
+@contextmanager
+def eval_variant(model: nn.Module, name: str):
+    """Within: every block of the model that declares the evaluation variant `name` runs it."""
+    blocks = [m for m in model.modules() if name in getattr(m, "eval_variants", ())]
+    for block in blocks:
+        block.set_eval_variant(name)
+    try:
+        yield
+    finally:
+        for block in blocks:
+            block.set_eval_variant(None)
 
 
 class AuxCollector:

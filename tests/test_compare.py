@@ -605,7 +605,8 @@ def test_compare_eval_suite_plots(tmp_path, plotted):
     for name in ("length.png", "recall_state.png", "recall_throughput.png", "recall_graded.png", "decode.png"):
         assert (out / name).stat().st_size > 1000, name
     curves = plotted["length.png"]
-    from evaluation.suites.length import REPORT_BINS, log_binned  # loss by position averaged in log-spaced bins
+    from evaluation.per_position import log_binned
+    from evaluation.suites.length import REPORT_BINS  # loss by position averaged in log-spaced bins
 
     assert len(curves) == 3 + 1 and curves[0] == log_binned([3.0 - i / 128 for i in range(128)], REPORT_BINS)  # + the line at T=64
     assert curves[0][0][0] == 1.0 and curves[0][1][0] == 3.0

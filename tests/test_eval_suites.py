@@ -20,7 +20,8 @@ from model.config import LMConfig
 from model.lm import DecoderLM
 from model.registry import MIXERS
 from evaluation.suites.decode import decode_costs
-from evaluation.suites.length import bands, log_binned, loss_by_length
+from evaluation.per_position import log_binned
+from evaluation.suites.length import bands, loss_by_length
 from evaluation.recall_probes import (copy_example, copy_losses, filler_stream, first_place_share, mqar_recall,
                                       passkey_example, passkey_recall, passkey_trials, score_continuations, without_needle)
 from evaluation.suites.recall import Recall, RecallOptions

@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from model import DecoderLM, LMConfig
-from model.ffn.moe import MoE, batch_routing_at_eval
+from model.ffn.moe import MoE
+from model.layers import eval_variant, eval_variant_names
 from model.ffn.routers import ROUTERS
 from model.ffn.routers.balanced import balanced_assignment
 from model.ffn.routers.hash import KNUTH
@@ -154,8 +155,8 @@ def test_expert_choice_evaluates_with_token_choice_and_batch_routing_on_request(
     m.train()
     trained = m(x)
     m.eval()
-    with batch_routing_at_eval(m) as any_batch_router:
-        assert any_batch_router
+    assert eval_variant_names(m) == ["batch_routing"]
+    with eval_variant(m, "batch_routing"):
         torch.testing.assert_close(m(x), trained, rtol=0, atol=0)
     torch.testing.assert_close(m(x), token_choice_y, rtol=0, atol=0)  # token choice again after the context
 
@@ -420,17 +421,16 @@ def test_decode_and_export_for_every_router(router, tmp_path):
 @pytest.mark.parametrize("router", ["expert_choice", "balanced"])
 def test_evaluation_with_training_routing_differs_from_token_choice(router):
     """The two evaluation routings of a non-causal router: token choice (default) and, under
-    batch_routing_at_eval, the training routing over the batch, which equals the training forward."""
+    its evaluation variant batch_routing, the training routing over the batch, which equals the training forward."""
     model = tiny_router_lm(router, router_options=dict(capacity_factor=0.5)) if router == "expert_choice" else tiny_router_lm(router)
     data = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(2))
     train_logits = model.train()(data).logits
     model.eval()
     token_choice_logits = model(data).logits
-    with batch_routing_at_eval(model):
+    with eval_variant(model, "batch_routing"):
         torch.testing.assert_close(model(data).logits, train_logits, rtol=0, atol=0)
     assert not torch.allclose(token_choice_logits, train_logits)
-    with batch_routing_at_eval(tiny_router_lm("topk")) as any_batch_router:
-        assert not any_batch_router
+    assert eval_variant_names(model) == ["batch_routing"] and eval_variant_names(tiny_router_lm("topk")) == []
 
 
 def test_flops_count_the_experts_each_router_runs():

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from common.plots import legend_outside, pyplot, save_figure
 from data.types import Split
 from evaluation.context import first_line, positions_up_to, too_long
+from evaluation.per_position import log_binned, plot_loss_by_position
 from evaluation.suites import SUITES, EvalPoint, Suite, points_table
 from model.options import option
 
@@ -70,34 +71,6 @@ def bands(per_position: list[float], train_seq_len: int, factors: list[int]) -> 
         if band:
             out[f"{k}x"] = float(np.mean(band))
     return out
-
-
-def log_binned(losses: list[float], bins: int = 48) -> tuple[list[float], list[float]]:
-    """The loss at target positions 1..n averaged within `bins` log-spaced bins of positions (over a few
-    sequences one position's loss is mostly noise): (each bin's mean position, its mean loss)."""
-    positions = np.arange(1, len(losses) + 1)
-    edges = np.unique(np.rint(np.geomspace(1, len(losses) + 1, bins + 1)).astype(int))
-    cuts = [(positions >= lo) & (positions < hi) for lo, hi in zip(edges[:-1], edges[1:])]
-    return ([float(positions[c].mean()) for c in cuts if c.any()],
-            [float(np.asarray(losses)[c].mean()) for c in cuts if c.any()])
-
-
-def plot_loss_by_position(curves: dict[str, list[float]], train_seq_len: int | None, title: str, path: Path) -> Path:
-    """Loss at each target position (log x, averaged in log-spaced bins: log_binned), one line per curve,
-    a vertical line at the training length."""
-    plt = pyplot()
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for label, losses in curves.items():
-        ax.plot(*log_binned(losses), label=label, linewidth=1)
-    if train_seq_len:
-        ax.axvline(train_seq_len, color="gray", linestyle="--", linewidth=1, label="training length")
-    ax.set_xscale("log")
-    ax.set_xlabel("target position (tokens of context)")
-    ax.set_ylabel("loss (nats/token)")
-    ax.set_title(f"{title}: loss by position")
-    ax.grid(alpha=0.3)
-    legend_outside(ax)
-    return save_figure(fig, path)
 
 
 def loss_by_length(lm, val_at, train_seq_len: int, factors: list[int], sequences: int, batch_tokens: int,

@@ -55,7 +55,6 @@ residual_scale), or starts at 0 where the model's parametrization says so (model
 """
 import dataclasses
 import math
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -341,18 +340,3 @@ def sequence_balance_loss(routing: Routing, token_rows: torch.Tensor, rows: int,
         tokens = tokens[:, 0]
     frac = counts / counts.sum(-1, keepdim=True).clamp_min(1)
     return E * (frac * prob_sums / tokens[:, None]).sum(-1).mean()
-
-
-@contextmanager
-def batch_routing_at_eval(model: nn.Module):
-    """Within: the routers whose training routing is not causal (expert_choice, balanced) route
-    evaluation forwards as in training, over each forward's batch, instead of token choice (to report
-    the val loss both ways), through their route_batch_at_eval. Yields whether the model has such a router."""
-    routers = [m for m in model.modules() if isinstance(m, Router) and not m.causal]
-    for router in routers:
-        router.route_batch_at_eval(True)
-    try:
-        yield bool(routers)
-    finally:
-        for router in routers:
-            router.route_batch_at_eval(False)

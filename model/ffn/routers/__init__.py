@@ -28,8 +28,9 @@ Interface (the MoE in model/ffn/moe.py owns the dispatch, capacity, the balance 
         takes_z_loss = False                  # the MoE's z-loss only logged, not weighed in (reinforce, by default)
         context_parallel = False              # refused under context parallelism (expert_choice, balanced, reinforce)
         no_weight_decay() -> tuple[str, ...]  # its parameters the optimizer does not decay (training/optim.py)
-        causal = False + route_batch_at_eval(enabled)  # BatchRouter: training routing over the batch, token
-                                              # choice at evaluation unless enabled (batch_routing_at_eval)
+        causal = False + eval_variants = ("batch_routing",) + set_eval_variant(name)  # BatchRouter: training
+                                              # routing over the batch, token choice at evaluation unless the
+                                              # variant is on (model/layers.py eval_variant)
         aux.on_token_loss(consume, with_eval_loss)  # in forward: consume(aux, token_loss [N], labelled [N],
                                               # eval_loss [N] | None) once the model knows each token's LM loss
                                               # (reinforce; eval_loss: under the evaluation forward, if asked)

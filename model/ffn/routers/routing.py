@@ -139,17 +139,18 @@ class TokenChoiceRouter(ScoredRouter):
 class BatchRouter(TokenChoiceRouter):
     """A router whose training routing is not causal (a token's experts depend on the other tokens of
     the batch, later ones included), which evaluation and decoding cannot use: they route by token
-    choice on the same scores, unless route_batch_at_eval(True) (model/ffn/moe.py batch_routing_at_eval)
-    has evaluation route as training does, over each evaluation forward's batch."""
+    choice on the same scores, unless its evaluation variant "batch_routing" is on (model/layers.py eval_variant),
+    which has evaluation route as training does, over each evaluation forward's batch."""
     causal = False
     context_parallel = False  # its training routing needs the whole batch's scores
+    eval_variants = ("batch_routing",)
 
     def __init__(self, config, layer_idx: int, moe):
         super().__init__(config, layer_idx, moe)
         self.batch_at_eval = False
 
-    def route_batch_at_eval(self, enabled: bool) -> None:
-        self.batch_at_eval = enabled
+    def set_eval_variant(self, name: str | None) -> None:
+        self.batch_at_eval = name == "batch_routing"
 
     def routes_batch(self) -> bool:
         """Whether this forward routes over the batch (training, or evaluation with batch routing on)."""
