@@ -23,19 +23,21 @@ class MetricsWriter:
     def __init__(self, accelerator, run_dir: Path, use_tracker: bool, step: int = 0):
         """A run at `step` (resumed from its checkpoint there, or starting at 0) keeps the finished rows of the steps
         up to it and drops any later ones: a run killed past its last checkpoint (SIGKILL) logged steps that the
-        resumed run logs again."""
+        resumed run logs again. `rows`: the file's rows as read_metrics would read them (the main process's; none on
+        the others), kept and logged."""
         self.accelerator = accelerator
         self.path = Path(run_dir) / "metrics.jsonl"
         self.use_tracker = use_tracker
-        if accelerator.is_main_process:
-            keep_rows_until(self.path, step)
+        self.rows = keep_rows_until(self.path, step) if accelerator.is_main_process else []
 
     def log(self, metrics: dict, step: int) -> None:
         if not self.accelerator.is_main_process:
             return
         row = {"step": step, **{k: to_python(v) for k, v in metrics.items()}}
+        line = json.dumps(row)
         with self.path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+            f.write(line + "\n")
+        self.rows.append(json.loads(line))
         if self.use_tracker:
             tracked = {}
             for k, v in row.items():
@@ -63,17 +65,18 @@ def finished_rows(text: str) -> str:
     return text[: text.rfind("\n") + 1]
 
 
-def keep_rows_until(path: Path, step: int) -> None:
+def keep_rows_until(path: Path, step: int) -> list[dict]:
     """The finished rows of steps up to `step` (none at step 0: a run starting there logs afresh), rewritten through
     a temp file where that drops any: a resumed run appends after them, not onto a half-written row nor after rows
-    of steps it runs again."""
+    of steps it runs again. Returns the rows kept."""
     if not path.exists():
-        return
+        return []
     lines = finished_rows(text := path.read_text()).splitlines(keepends=True)
-    kept = "".join(line for line in lines if step and line.strip() and json.loads(line)["step"] <= step)
-    if kept != text:
+    kept = [line for line in lines if step and line.strip() and json.loads(line)["step"] <= step]
+    if "".join(kept) != text:
         with written_then_renamed(path) as tmp:
-            tmp.write_text(kept)
+            tmp.write_text("".join(kept))
+    return [json.loads(line) for line in kept]
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -66,7 +66,7 @@ def train_router(accelerator, router: str, grad_accum: int) -> dict:
                             "trainer": {"batch_size": BATCH, "grad_accum": grad_accum, "grad_clip": 1.0, "trainable": None}})
     run = Run(cfg=cfg, accelerator=accelerator, run_dir=Path("."), data=type("Data", (), {"train": Corpus()})(),
               lm=lm, model=model, objective=OBJECTIVES.get("lm")(cfg, lm, accelerator, None), optimizer=optimizer, optimizers=[optimizer.optimizer], scheduler=scheduler,
-              micro=BATCH // (accelerator.num_processes * grad_accum), costs=None, peak=None, step=0,
+              micro=BATCH // (accelerator.num_processes * grad_accum), costs=None, phase_ends={}, step=0,
               t_origin=time.time(), last_ckpt=None)
     steps = []
     for _ in range(3):

@@ -213,7 +213,7 @@ def test_mixer_core_fits_the_input_of_o_proj():
 def test_mixer_core_with_nothing_to_train_skips_the_transfer_stage():
     """derived_gdn adds no parameters: under mixer_core nothing trains, the stage is skipped (distill starts at
     step 1, the finetune stage gets the transfer's steps) and the plan says so in one line."""
-    from training.objectives.linearize.linearization import stage_at, stage_ends
+    from training.objectives.linearize import stage_at, stage_ends
 
     lin, _ = student_of(teacher(), "derived_gdn", CORE)
     assert lin.transfer_parameters == [] and lin.plan.transfer_steps == 0

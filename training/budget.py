@@ -12,8 +12,9 @@ that its training forward makes (a self-critical router's baseline), plus what t
 (a teacher's forward). A budget replaces trainer.max_steps: a new run given a budget starts with max_steps=null
 (giving both is an error), and training/run.py fills it in from the model as built on the device it runs on
 before anything is written; the saved config then holds both, so a resumed run keeps the steps it started with."""
-from omegaconf import open_dict
+from omegaconf import OmegaConf, open_dict
 
+from common.validation import raise_problems
 from runs.config import override_key
 
 BUDGETS = ("flops_budget", "tokens_budget")
@@ -91,3 +92,25 @@ def set_steps_from_budget(cfg, costs: StepCosts) -> str | None:
     flops = costs.flops_through(steps)
     return (f"trainer.{key}={tc[key]:.4g}: {steps} steps x {tc.batch_size * tc.seq_len:,} tokens "
             f"x {flops / tokens:.4g} training FLOPs/token = {flops:.4g} FLOPs, {tokens:,} tokens")
+
+
+def steps_problems(config: dict) -> list[str]:
+    """The warm-up and the wsd decay fit in trainer.max_steps."""
+    tc = config["trainer"]
+    decay = int(tc["max_steps"] * tc["wsd_decay_fraction"])
+    if tc["warmup_steps"] > tc["max_steps"]:
+        return [f"trainer.warmup_steps={tc['warmup_steps']}; valid: <= trainer.max_steps={tc['max_steps']}"]
+    if tc["schedule"] == "wsd" and tc["warmup_steps"] + decay > tc["max_steps"]:
+        return [f"trainer.warmup_steps={tc['warmup_steps']}; valid with schedule=wsd: <= trainer.max_steps - the "
+                f"{decay} decay steps (wsd_decay_fraction={tc['wsd_decay_fraction']}) = {tc['max_steps'] - decay}"]
+    return []
+
+
+def check_steps(cfg) -> None:
+    """The checks that need trainer.max_steps: the warm-up and decay fit in it, so do the objectives' (linearize's
+    stages)."""
+    from training.objectives import OBJECTIVES
+
+    config = OmegaConf.to_container(cfg, resolve=True)
+    raise_problems(steps_problems(config) + [line for name in OBJECTIVES.names()
+                                             for line in OBJECTIVES.get(name).steps_problems(config)])

@@ -13,10 +13,10 @@ def check_job(cfg, overrides: list[str]):
     stages (a linearization teacher's forward) are not counted, so the run's own count may differ). Returns
     the model."""
     from runs.flops import training_flops_per_token
-    from training.budget import StepCosts, budget_replaces_steps, set_steps_from_budget
+    from training.budget import StepCosts, budget_replaces_steps, check_steps, set_steps_from_budget
     from training.objectives import set_trainable
     from training.run import device_type
-    from training.validation import check_steps, check_train_config
+    from training.validation import check_train_config
 
     budget_replaces_steps(cfg, overrides)
     check_train_config(cfg)

@@ -21,16 +21,17 @@ def train(cfg: DictConfig) -> float:
     from training.checkpoint import StopFlag
     from runs.metrics import MetricsWriter
     from training.metrics import Meter
-    from training.perf import ContentionMonitor
+    from training.perf import ContentionMonitor, device_peak
 
     run = setup(cfg)
     a, tc = run.accelerator, cfg.trainer
     metrics = MetricsWriter(a, run.run_dir, cfg.logger.name == "wandb", run.step)
-    meter, stop, log = Meter(), StopFlag(), {}
+    meter, stop, log = Meter(device_peak(a.device, bf16=a.mixed_precision == "bf16")), StopFlag(), {}
+    a.print(meter.peak.describe())
     contention = ContentionMonitor() if a.device.type == "cpu" and a.is_main_process else None
     if contention and (warning := contention.check()):
         a.print(warning)
-    phase_ends = run.objective.phase_ends(tc.max_steps)  # {step: the phase that ends there}: logged and evaluated there
+    phase_ends = run.phase_ends  # a logging window holds one phase
     if run.objective.evaluates_at_start and run.step == 0:
         start = evaluate(run)
         metrics.log({**start, **run.objective.start_metrics, "tokens_seen": 0, "flops_seen": 0}, 0)
@@ -74,7 +75,7 @@ def train(cfg: DictConfig) -> float:
             a.end_training()
             return float("nan")
     bar.close()
-    return finish(run, log)
+    return finish(run, log, metrics.rows)
 
 
 def train_step(run: Run) -> tuple[float, dict, float]:
@@ -165,23 +166,23 @@ def window_log(run: Run, meter, grad_norm: float, contention, bar) -> dict:
     a = run.accelerator
     log = meter.row(run.tokens_per_step, run.costs.per_token(run.step - 1))  # a window holds one phase
     achieved = log["perf/tflops"] * 1e12 / a.num_processes  # per device
-    if (peak := recheck_peak(run.peak, achieved)) is not run.peak:
-        run.peak = peak
+    if (peak := recheck_peak(meter.peak, achieved)) is not meter.peak:
+        meter.peak = peak
         a.print(peak.describe())
-    if run.peak.flops:
-        log["perf/mfu"] = achieved / run.peak.flops
+    if meter.peak.flops:
+        log["perf/mfu"] = achieved / meter.peak.flops
     if contention and (warning := contention.after_window(log["perf/tokens_per_sec"])):
         bar.write(warning)
     return {**log, "lr": run.scheduler.get_last_lr()[0], "grad_norm": grad_norm,
             "perf/peak_mem_gb": peak_memory_gb(a.device), "time/elapsed": time.time() - run.t_origin}
 
 
-def finish(run: Run, last_log: dict) -> float:
+def finish(run: Run, last_log: dict, rows: list[dict]) -> float:
     """Final evaluation (unless the last step just ran one), the export (all ranks join the gather),
-    then on the main process: plots, the summary, and a sample from the exported model."""
+    then on the main process: plots and the summary of the run's metrics rows, and a sample from the exported model."""
     from evaluation.samples import sample
     from runs.checkpoint import load_lm
-    from runs.metrics import read_metrics, run_summary
+    from runs.metrics import run_summary
     from runs.plots import plot_run
     from training.checkpoint import export_final
 
@@ -189,7 +190,6 @@ def finish(run: Run, last_log: dict) -> float:
     final = evaluate(run) if run.step % tc.eval_every else {k: v for k, v in last_log.items() if k.startswith("val/")}
     folder = export_final(run.lm, run.data.tokenizer, OmegaConf.to_yaml(cfg, resolve=True), run.run_dir, run.expert_mesh)
     if a.is_main_process:
-        rows = read_metrics(run.run_dir)
         summary = run_summary(rows, run.lm.parameter_counts(), time.time() - run.t_origin)
         plots = plot_run(run.run_dir, rows)
         if cfg.logger.name == "wandb":

@@ -1,11 +1,17 @@
-"""The logging window of the training loop: its sums since the last row of metrics.jsonl (the file: runs/metrics.py)."""
+"""The logging window of the training loop: its sums since the last row of metrics.jsonl (the file: runs/metrics.py),
+and the device peak its MFU is measured against (training/perf.py)."""
 from evaluation.scoring import perplexity
 
 
 class Meter:
-    """The logging window: sums over the optimizer steps since the last log row."""
+    """The logging window: sums over the optimizer steps since the last log row; `peak` (training/perf.py Peak) of
+    one device, MFU = achieved per device / peak.flops."""
 
-    def __init__(self):
+    def __init__(self, peak):
+        self.peak = peak
+        self.reset()
+
+    def reset(self) -> None:
         self.loss, self.steps, self.seconds, self.aux = 0.0, 0, 0.0, {}
 
     def add(self, loss: float, seconds: float, aux: dict) -> None:
@@ -23,5 +29,5 @@ class Meter:
         out = {"train/loss": self.loss / n, "train/ppl": perplexity(self.loss / n), "perf/tokens_per_sec": tok_s,
                "perf/step_time": self.seconds / n, "perf/tflops": flops_per_token * tok_s / 1e12,
                **{k: v / n for k, v in self.aux.items()}}
-        self.__init__()
+        self.reset()
         return out

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from model.ffn.expert_parallel import ExpertParallel
@@ -54,6 +54,37 @@ from model.ffn.moe import MoE
 from model.layers import ShortConv
 from model.ops.context_parallel import ContextGroup
 from model.registry import MIXERS
+
+@dataclass
+class Layout:
+    """This process's place in the mesh: its expert shards' mesh, its context group, the share of each global batch
+    it reads, and the sequences of that share per micro-step."""
+    expert_mesh: DeviceMesh | None
+    context: ContextGroup | None
+    share: "DataShare"
+    micro: int
+
+
+def apply_parallel(lm, tc, state, device_type: str, objective: str) -> Layout:
+    """Expert and context parallelism applied to the model (trainer.expert_parallel, trainer.context_parallel) over
+    the processes of `state` (Accelerate's PartialState), and the micro-batch each data replica runs; a layout that
+    cannot work is a one-line error naming its keys."""
+    from accelerate.utils import DistributedType
+
+    world = state.num_processes
+    replicas = data_replicas(world, tc.context_parallel)
+    micro = tc.batch_size // (replicas * tc.grad_accum)
+    if micro * replicas * tc.grad_accum != tc.batch_size:
+        split = f"data replicas ({replicas} = {world} processes / trainer.context_parallel={tc.context_parallel})" \
+            if tc.context_parallel > 1 else f"processes ({world})"
+        raise ValueError(f"trainer.batch_size={tc.batch_size} is not divisible by {split} x grad_accum ({tc.grad_accum})")
+    if tc.expert_parallel > 1 and state.distributed_type == DistributedType.FSDP:
+        raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
+    expert_mesh = apply_expert_parallel(lm, tc.expert_parallel, world, device_type)
+    context, share = apply_context_parallel(lm, tc.context_parallel, world, state.process_index, device_type,
+                                            tc.seq_len, objective)
+    return Layout(expert_mesh, context, share, micro)
+
 
 EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
 EXPERT_PLACEMENTS = (Replicate(), Shard(0))  # an expert shard on the (dp, ep) mesh

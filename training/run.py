@@ -26,7 +26,6 @@ if TYPE_CHECKING:  # the types only: these import accelerate, the model and the 
     from training.budget import StepCosts
     from training.objectives import Objective
     from training.parallel import DataShare
-    from training.perf import Peak
 
 
 @dataclass
@@ -47,7 +46,7 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     micro: int             # sequences per data replica per micro-step
     costs: StepCosts       # training FLOPs per token of each step (the objective's)
-    peak: Peak             # of one device (MFU = achieved per device / peak.flops)
+    phase_ends: dict[int, str]  # {step: the objective's phase that ends there}: the loop logs and evaluates there
     step: int
     t_origin: float        # time/elapsed counts from here (moved back on resume)
     last_ckpt: Path | None
@@ -75,7 +74,7 @@ def device_type() -> str:
 
 def setup(cfg: DictConfig) -> Run:
     from accelerate import Accelerator, PartialState
-    from accelerate.utils import DistributedDataParallelKwargs, DistributedType, broadcast_object_list, set_seed
+    from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list, set_seed
     from hydra.core.hydra_config import HydraConfig
 
     from data import build_data
@@ -83,22 +82,14 @@ def setup(cfg: DictConfig) -> Run:
     from training import checkpoint as ckpt
     from training.objectives import OBJECTIVES
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
-    from training.parallel import apply_context_parallel, apply_expert_parallel, data_replicas
-    from training.budget import StepCosts, set_steps_from_budget
-    from training.perf import device_peak
-    from training.validation import check_steps
+    from training.parallel import apply_parallel
+    from training.budget import StepCosts, check_steps, set_steps_from_budget
 
     t_start = time.time()
     tc = cfg.trainer
     use_cuda = device_type() == "cuda"
     state = PartialState(cpu=not use_cuda)
     world = state.num_processes
-    replicas = data_replicas(world, tc.context_parallel)
-    micro = tc.batch_size // (replicas * tc.grad_accum)
-    if micro * replicas * tc.grad_accum != tc.batch_size:
-        split = f"data replicas ({replicas} = {world} processes / trainer.context_parallel={tc.context_parallel})" \
-            if tc.context_parallel > 1 else f"processes ({world})"
-        raise ValueError(f"trainer.batch_size={tc.batch_size} is not divisible by {split} x grad_accum ({tc.grad_accum})")
 
     # One run directory for all ranks: the main process's.
     run_dir = [cfg.run_dir or HydraConfig.get().runtime.output_dir]
@@ -120,11 +111,7 @@ def setup(cfg: DictConfig) -> Run:
     train_flops = costs.flops_through(tc.max_steps)
     if budget_line:
         check_steps(cfg)
-    if tc.expert_parallel > 1 and state.distributed_type == DistributedType.FSDP:
-        raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
-    expert_mesh = apply_expert_parallel(lm, tc.expert_parallel, world, "cuda" if use_cuda else "cpu")
-    context, share = apply_context_parallel(lm, tc.context_parallel, world, state.process_index,
-                                            "cuda" if use_cuda else "cpu", tc.seq_len, cfg.objective)
+    layout = apply_parallel(lm, tc, state, "cuda" if use_cuda else "cpu", cfg.objective)
 
     # DDP searches the graph for parameters without gradients only where some can have none.
     find_unused = lm.may_leave_parameters_unused or objective.may_leave_parameters_unused
@@ -137,19 +124,20 @@ def setup(cfg: DictConfig) -> Run:
     model = objective.module  # what the loop forwards
     model = torch.compile(model) if (use_cuda and tc.compile) else model
     model, optimizer = accelerator.prepare(model, optimizer)
+    optimizers = torch_optimizers(optimizer.optimizer)  # the torch optimizers inside, whose state is checkpointed
     # The scheduler is not prepared: Accelerate would step it once per process.
 
-    run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model, objective=objective,
-              optimizer=optimizer, optimizers=torch_optimizers(optimizer.optimizer),
-              scheduler=scheduler, micro=micro,
-              costs=costs,
-              peak=device_peak(accelerator.device, bf16=accelerator.mixed_precision == "bf16"),
-              step=0, t_origin=t_start, last_ckpt=None, expert_mesh=expert_mesh, context=context, share=share)
     resume_from = ckpt.resolve_resume_on_main(accelerator, cfg.resume, run_dir)
+    resumed_step = ckpt.trainer_state(resume_from)["step"] if resume_from is not None else 0
+    phase_ends = objective.phase_ends(tc.max_steps)
     if resume_from is not None:
-        resumed_step = ckpt.trainer_state(resume_from)["step"]
         objective.begin_step(resumed_step - 1)  # its optimizer state is of that step's phase
-        saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler, expert_mesh)
+    run = Run(cfg=cfg, accelerator=accelerator, run_dir=run_dir, data=data, lm=lm, model=model, objective=objective,
+              optimizer=optimizer, optimizers=optimizers,
+              scheduler=scheduler, micro=layout.micro, costs=costs, phase_ends=phase_ends, step=0, t_origin=t_start,
+              last_ckpt=None, expert_mesh=layout.expert_mesh, context=layout.context, share=layout.share)
+    if resume_from is not None:
+        saved = ckpt.load_checkpoint(resume_from, lm, run.optimizers, scheduler, layout.expert_mesh)
         run.step, run.last_ckpt = saved["step"], resume_from
         run.t_origin -= saved["elapsed"]  # time/elapsed continues from where the checkpoint left off
         accelerator.print(f"resumed from {resume_from} at step {run.step}"
@@ -180,9 +168,8 @@ def setup(cfg: DictConfig) -> Run:
         f"run_dir {run_dir} | {counts['total'] / 1e6:.2f}M params ({counts['active'] / 1e6:.2f}M active) | "
         f"layers {lm.config.layer_mixers} x {lm.config.layer_ffns} | {len(data.train)} train / "
         f"{len(data.val)} val sequences of {tc.seq_len} | {world} process(es) on {accelerator.device}"
-        + (f" ({share.size} data replica(s) x {tc.context_parallel} context ranks, {tc.seq_len // tc.context_parallel} "
-           f"tokens of each sequence per rank)" if context is not None else ""))
-    accelerator.print(run.peak.describe())
+        + (f" ({layout.share.size} data replica(s) x {tc.context_parallel} context ranks, {tc.seq_len // tc.context_parallel} "
+           f"tokens of each sequence per rank)" if layout.context is not None else ""))
     if budget_line:
         accelerator.print(budget_line)
     if plan := objective.describe(tc.max_steps):

@@ -13,7 +13,7 @@ from common.validation import FLAG, Problems, Rule, count, leaves, positive, rai
 from data import options as data_options
 from model import config as model_config
 from training import optim
-from training.budget import given_budget
+from training.budget import given_budget, steps_problems
 from training.objectives import OBJECTIVES
 
 RULES = {
@@ -73,19 +73,7 @@ def cross_checks(config: dict, problems: Problems) -> None:
                      "trainer.tokens_budget (which set it)")
     if tc["max_steps"] is not None and problems.fine("trainer.max_steps", "trainer.warmup_steps",
                                                      "trainer.wsd_decay_fraction"):
-        problems.lines += steps_problems(config)  # with a budget, training/run.py checks these once it has set the steps
-
-
-def steps_problems(config: dict) -> list[str]:
-    """The warm-up and the wsd decay fit in trainer.max_steps."""
-    tc = config["trainer"]
-    decay = int(tc["max_steps"] * tc["wsd_decay_fraction"])
-    if tc["warmup_steps"] > tc["max_steps"]:
-        return [f"trainer.warmup_steps={tc['warmup_steps']}; valid: <= trainer.max_steps={tc['max_steps']}"]
-    if tc["schedule"] == "wsd" and tc["warmup_steps"] + decay > tc["max_steps"]:
-        return [f"trainer.warmup_steps={tc['warmup_steps']}; valid with schedule=wsd: <= trainer.max_steps - the "
-                f"{decay} decay steps (wsd_decay_fraction={tc['wsd_decay_fraction']}) = {tc['max_steps'] - decay}"]
-    return []
+        problems.lines += steps_problems(config)  # with a budget, training/budget.py check_steps once it has set them
 
 
 def check_train_config(cfg) -> None:
@@ -104,11 +92,3 @@ def train_config_problems(cfg) -> list[str]:
                              *(objective.cross_checks for objective in OBJECTIVE_CLASSES)):
         component_checks(config, problems)
     return problems.lines
-
-
-def check_steps(cfg) -> None:
-    """The checks that need trainer.max_steps: the warm-up and decay fit in it, so do the objectives' (linearize's
-    stages)."""
-    config = OmegaConf.to_container(cfg, resolve=True)
-    raise_problems(steps_problems(config) + [line for objective in OBJECTIVE_CLASSES
-                                             for line in objective.steps_problems(config)])

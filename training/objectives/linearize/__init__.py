@@ -20,7 +20,7 @@ fla's hybrid distillation); the best m are kept, and the run's config records th
 The stage is a function of the step, so a checkpoint resumes inside any stage. The teacher lives outside
 the student's module tree: DDP, the optimizer, checkpoints and the export see only the student.
 
-Here: the objective; linearization.py the stage schedule and the student beside its teacher; teacher.py the
+Here: the objective and its stage schedule; linearization.py the student beside its teacher; teacher.py the
 teacher and which layers stay softmax; losses.py what the stages fit; options.py the linearize.* keys' rules and
 checks.
 """
@@ -32,9 +32,30 @@ from omegaconf import OmegaConf
 
 from training.objectives import OBJECTIVES, Objective
 from training.objectives.linearize import options
-from training.objectives.linearize.linearization import Linearization, stage_at, stage_ends, uses_teacher
+from training.objectives.linearize.linearization import Linearization
 from training.objectives.linearize.teacher import (kl_with_each_layer_softmax, load_teacher, parse_keep_softmax,
                                                     teacher_state_for, with_softmax_layers)
+
+
+def stage_at(step: int, lc) -> str:
+    """The stage of the step that follows `step` steps done (lc: the linearize config)."""
+    if step < lc.transfer_steps:
+        return "transfer"
+    return "distill" if step < lc.transfer_steps + lc.distill_steps else "finetune"
+
+
+def stage_ends(lc, max_steps: int) -> dict[int, str]:
+    """{step count at which a stage ends: that stage} for the stages that run and are followed by another."""
+    ends = {}
+    if lc.transfer_steps:
+        ends[lc.transfer_steps] = "transfer"
+    if lc.distill_steps:
+        ends[lc.transfer_steps + lc.distill_steps] = "distill"
+    return {step: stage for step, stage in ends.items() if step < max_steps}
+
+
+def uses_teacher(lc) -> bool:
+    return lc.transfer_steps + lc.distill_steps > 0
 
 
 @OBJECTIVES.register("linearize")
@@ -142,7 +163,8 @@ class Linearize(Objective):
 
     def begin_step(self, step: int) -> None:
         if self.linearization is not None:
-            self.linearization.set_stage(stage_at(step, self.linearization.plan))
+            stage = stage_at(step, self.linearization.plan)
+            self.linearization.set_stage(stage)
 
     def phase_ends(self, max_steps: int) -> dict[int, str]:
         return stage_ends(self.linearization.plan, max_steps) if self.linearization is not None else {}
