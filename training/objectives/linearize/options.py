@@ -24,7 +24,7 @@ def cross_checks(config: dict, problems: Problems) -> None:
     if lc is None:
         return
     if config["trainer"]["max_steps"] is not None and problems.fine("trainer.max_steps", *STAGE_KEYS):
-        problems.lines += steps_problems(config)  # with a budget, training/run.py checks this once it has set the steps
+        problems.lines += steps_problems(config)  # with a budget, training/budget.py check_steps once it has set them
     if lc.get("keep_softmax") is not None and problems.fine("model.num_hidden_layers"):
         kinds = config["model"].get("mixer") or config["mixer"]["name"]
         try:
