@@ -65,10 +65,10 @@ class Layout:
     micro: int
 
 
-def apply_parallel(lm, tc, state, device_type: str, objective: str) -> Layout:
-    """Expert and context parallelism applied to the model (trainer.expert_parallel, trainer.context_parallel) over
-    the processes of `state` (Accelerate's PartialState), and the micro-batch each data replica runs; a layout that
-    cannot work is a one-line error naming its keys."""
+def micro_batch(tc, state) -> int:
+    """The sequences each data replica runs per micro-step, checked before any data is prepared: the batch splits
+    over the data replicas of `state`'s processes (Accelerate's PartialState) and trainer.grad_accum, else a one-line
+    error; so does the process count over trainer.context_parallel, and FSDP refuses trainer.expert_parallel."""
     from accelerate.utils import DistributedType
 
     world = state.num_processes
@@ -80,6 +80,13 @@ def apply_parallel(lm, tc, state, device_type: str, objective: str) -> Layout:
         raise ValueError(f"trainer.batch_size={tc.batch_size} is not divisible by {split} x grad_accum ({tc.grad_accum})")
     if tc.expert_parallel > 1 and state.distributed_type == DistributedType.FSDP:
         raise ValueError(f"trainer.expert_parallel={tc.expert_parallel} with FSDP: not supported yet (use DDP)")
+    return micro
+
+
+def apply_parallel(lm, tc, state, device_type: str, objective: str, micro: int) -> Layout:
+    """Expert and context parallelism applied to the model (trainer.expert_parallel, trainer.context_parallel) over
+    the processes of `state`; a layout the model cannot take is a one-line error naming its keys."""
+    world = state.num_processes
     expert_mesh = apply_expert_parallel(lm, tc.expert_parallel, world, device_type)
     context, share = apply_context_parallel(lm, tc.context_parallel, world, state.process_index, device_type,
                                             tc.seq_len, objective)

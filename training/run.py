@@ -82,7 +82,7 @@ def setup(cfg: DictConfig) -> Run:
     from training import checkpoint as ckpt
     from training.objectives import OBJECTIVES
     from training.optim import build_optimizer, build_scheduler, torch_optimizers
-    from training.parallel import apply_parallel
+    from training.parallel import apply_parallel, micro_batch
     from training.budget import StepCosts, check_steps, set_steps_from_budget
 
     t_start = time.time()
@@ -90,6 +90,7 @@ def setup(cfg: DictConfig) -> Run:
     use_cuda = device_type() == "cuda"
     state = PartialState(cpu=not use_cuda)
     world = state.num_processes
+    micro = micro_batch(tc, state)
 
     # One run directory for all ranks: the main process's.
     run_dir = [cfg.run_dir or HydraConfig.get().runtime.output_dir]
@@ -111,7 +112,7 @@ def setup(cfg: DictConfig) -> Run:
     train_flops = costs.flops_through(tc.max_steps)
     if budget_line:
         check_steps(cfg)
-    layout = apply_parallel(lm, tc, state, "cuda" if use_cuda else "cpu", cfg.objective)
+    layout = apply_parallel(lm, tc, state, "cuda" if use_cuda else "cpu", cfg.objective, micro)
 
     # DDP searches the graph for parameters without gradients only where some can have none.
     find_unused = lm.may_leave_parameters_unused or objective.may_leave_parameters_unused

@@ -78,7 +78,7 @@ def cross_checks(config: dict, problems: Problems) -> None:
 
 def check_train_config(cfg) -> None:
     """The options of a composed train.py config, the blocks' options and the checks between keys that need no
-    data or process count (training/parallel.py apply_parallel checks the batch against the processes, data/ the
+    data or process count (training/parallel.py micro_batch checks the batch against the processes, data/ the
     sequences): every problem at once, one line each."""
     raise_problems(train_config_problems(cfg))
 
