@@ -95,13 +95,3 @@ def median_after_first(rows: list[dict], key: str) -> float | None:
     costs), or over the first where it is the only one; None if never logged."""
     values = logged(rows, key)
     return statistics.median(values[1:] or values) if values else None
-
-
-def run_summary(rows: list[dict], counts: dict, wall_s: float) -> dict:
-    """What a project table shows per run: parameters, best val loss / bpb, median tokens/s and MFU
-    over the logs after the first (which includes warm-up), wall time."""
-    out = {"params/total": counts["total"], "params/active": counts["active"], "time/wall_s": wall_s,
-           "best/val_loss": min(logged(rows, "val/loss"), default=None), "best/val_bpb": min(logged(rows, "val/bpb"), default=None),
-           "perf/median_tokens_per_sec": median_after_first(rows, "perf/tokens_per_sec"),
-           "perf/median_mfu": median_after_first(rows, "perf/mfu")}
-    return {k: v for k, v in out.items() if v is not None}

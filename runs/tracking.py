@@ -21,6 +21,7 @@ import secrets
 from collections import Counter
 from pathlib import Path
 
+from runs.metrics import logged, median_after_first
 from runs.plots import LOAD
 
 TAG_LIMIT = 64  # W&B's limit on a tag's length
@@ -128,13 +129,23 @@ def load_table(rows: list[dict]):
     return wandb.Table(columns=["step", STEP_METRIC, "layer", "expert", "load"], data=data) if data else None
 
 
-def finish_run(accelerator, summary: dict, rows: list[dict], plots: list[Path]) -> None:
-    """On the main process: the run's summary (runs/metrics.py run_summary), its plots as images and the expert-load
-    table of its metrics rows."""
+def run_summary(rows: list[dict], counts: dict, wall_s: float) -> dict:
+    """What a project table shows per run: parameters, best val loss / bpb, median tokens/s and MFU
+    over the logs after the first (which includes warm-up), wall time."""
+    out = {"params/total": counts["total"], "params/active": counts["active"], "time/wall_s": wall_s,
+           "best/val_loss": min(logged(rows, "val/loss"), default=None), "best/val_bpb": min(logged(rows, "val/bpb"), default=None),
+           "perf/median_tokens_per_sec": median_after_first(rows, "perf/tokens_per_sec"),
+           "perf/median_mfu": median_after_first(rows, "perf/mfu")}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def finish_run(accelerator, rows: list[dict], counts: dict, wall_s: float, plots: list[Path]) -> None:
+    """On the main process: the run's summary (run_summary of its metrics rows, parameter counts and wall time),
+    its plots as images and the expert-load table of its rows."""
     import wandb
 
     run = accelerator.get_tracker("wandb", unwrap=True)
-    run.summary.update(summary)
+    run.summary.update(run_summary(rows, counts, wall_s))
     media = {f"plots/{p.stem}": wandb.Image(str(p)) for p in plots}
     if (table := load_table(rows)) is not None:
         media["tables/moe_load"] = table

@@ -179,10 +179,9 @@ def window_log(run: Run, meter, grad_norm: float, contention, bar) -> dict:
 
 def finish(run: Run, last_log: dict, rows: list[dict]) -> float:
     """Final evaluation (unless the last step just ran one), the export (all ranks join the gather),
-    then on the main process: plots and the summary of the run's metrics rows, and a sample from the exported model."""
+    then on the main process: plots (and W&B's summary of the run), and a sample from the exported model."""
     from evaluation.samples import sample
     from runs.checkpoint import load_lm
-    from runs.metrics import run_summary
     from runs.plots import plot_run
     from training.checkpoint import export_final
 
@@ -190,12 +189,11 @@ def finish(run: Run, last_log: dict, rows: list[dict]) -> float:
     final = evaluate(run) if run.step % tc.eval_every else {k: v for k, v in last_log.items() if k.startswith("val/")}
     folder = export_final(run.lm, run.data.tokenizer, OmegaConf.to_yaml(cfg, resolve=True), run.run_dir, run.expert_mesh)
     if a.is_main_process:
-        summary = run_summary(rows, run.lm.parameter_counts(), time.time() - run.t_origin)
         plots = plot_run(run.run_dir, rows)
         if cfg.logger.name == "wandb":
             from runs.tracking import finish_run
 
-            finish_run(a, summary, rows, plots)
+            finish_run(a, rows, run.lm.parameter_counts(), time.time() - run.t_origin, plots)
         lines = [f"val loss {final['val/loss']:.4f} | ppl {final['val/ppl']:.2f}"
                  + (f" | bpb {final['val/bpb']:.4f}" if "val/bpb" in final else "")]
         lines += [f"{k} {v:.4f}" for k, v in final.items()
