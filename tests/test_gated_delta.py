@@ -45,14 +45,17 @@ def test_chunk_matches_recurrence(with_state, chunk_size, decay, max_beta):
 
 # one sub-block, four, three (4 | 12), 7, the CPU default's four of 8, and 37 of one token (no pair inside one)
 @pytest.mark.parametrize("C, block", [(16, 16), (16, 4), (12, 8), (7, 16), (32, 8), (37, 8)])
-def test_decayed_products_match_the_direct_sum(C, block, monkeypatch):
+@pytest.mark.parametrize("wide", ["all", "some", "none"])
+def test_decayed_products_match_the_direct_sum(C, block, wide, monkeypatch):
     """The per-channel intra-chunk products, P_ij = sum_d a_id b_jd exp(G_id - G_jd) (i >= j), and their gradients,
-    against the direct sum over channels; with a decay strong enough that exp(-G) would overflow in float64."""
+    against the direct sum over channels: chunks (rows) whose decay spans past the factored path's bound (`wide`:
+    every row, half of them, none) decay so strongly that exp(-G) would overflow in float64 (the sub-block path),
+    the others take the factored path."""
     monkeypatch.setattr(gated_delta, "SUB_BLOCK", block)
     gen = torch.Generator().manual_seed(0)
     a, b = (torch.randn(2, 3, C, 5, generator=gen, dtype=f64).requires_grad_() for _ in range(2))
     g = F.logsigmoid(torch.randn(2, 3, C, 5, generator=gen, dtype=f64))
-    g[..., 0] = -200.0  # G reaches -200 C: exp(G_r - G_j) with r > j is 0, never exp(+200 C)
+    g[{"all": slice(None), "some": 1, "none": slice(0)}[wide], ..., 0] = -200.0  # G reaches -200 C
     G = g.cumsum(-2).requires_grad_()
     got = _decayed_products(a, b, G, gated_delta.sub_block(C))
     lower = torch.ones(C, C, dtype=torch.bool).tril()
@@ -63,6 +66,49 @@ def test_decayed_products_match_the_direct_sum(C, block, monkeypatch):
     for x, y in zip(torch.autograd.grad((got * w).sum(), (a, b, G)), torch.autograd.grad((want * w).sum(), (a, b, G))):
         assert torch.isfinite(x).all()
         torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("span", [79.0, 81.0])  # either side of the factored path's bound, 2 MAX_EXPONENT = 80
+def test_decayed_products_near_the_bound_in_fp32(span):
+    """float32 products and gradients against float64 where one channel's decay spans just below the factored path's
+    bound (its factors reach e^{+-39.5}, the dropped pairs e^79) and just above it (the sub-block path)."""
+    gen = torch.Generator().manual_seed(0)
+    C = 32
+    a, b = (torch.randn(4, C, 8, generator=gen, dtype=f64) for _ in range(2))
+    g = F.logsigmoid(torch.randn(4, C, 8, generator=gen, dtype=f64))
+    g[:, 1:, 3] = -span / (C - 1)
+    G = g.cumsum(-2)
+    w = torch.randn(4, C, C, generator=gen, dtype=f64)
+    results = []
+    for dtype in (torch.float32, f64):
+        x = [t.to(dtype).requires_grad_() for t in (a, b, G)]
+        P = _decayed_products(*x, 8)
+        results.append([P, *torch.autograd.grad((P * w.to(dtype)).sum(), x)])
+    for got, want in zip(*results):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_per_channel_rows_past_the_factored_span_match_the_recurrence(monkeypatch):
+    """A head decaying at -30 per step in one channel (a chunk of 8 spans 210, past the factored path's bound: the
+    sub-block path) beside heads decaying mildly (the factored path): outputs, final states and gradients."""
+    monkeypatch.setattr(gated_delta, "SUB_BLOCK", 4)
+    q, k, v, g, beta, h0 = make_inputs(T=21, decay="per_channel")
+    g[:, :, 1, 2] = -30.0
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    w_o, w_h = (torch.randn(*s, generator=torch.Generator().manual_seed(1), dtype=f64) for s in ((2, 21, 3, 6),
+                                                                                                  (2, 3, 8, 6)))
+
+    def loss(o, h):
+        return (o * w_o).sum() + (h * w_h).sum()
+
+    ref = naive_gated_delta(q, k, v, g, beta, h=h0)
+    got = chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, chunk_size=8)
+    for a, r in zip(got, ref):
+        torch.testing.assert_close(a, r, rtol=1e-10, atol=1e-10)
+    for name, a, r in zip("q k v g beta h0".split(), torch.autograd.grad(loss(*got), inputs),
+                          torch.autograd.grad(loss(*ref), inputs)):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-9, msg=f"grad {name}")
 
 
 def test_decay_forms_differ():

@@ -156,8 +156,7 @@ class DeltaRuleBlock(nn.Module):
         conv = 2 * sum(c.conv.weight.numel() for c in (self.q_conv, self.k_conv, self.v_conv))
         steps = seq_len * self.steps  # the rule runs over every step of every token
         chunk = chunk_size_on(device, self.chunk_size, steps, self.per_channel_decay)
-        core = self.num_v_heads * self.steps * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, steps, chunk,
-                                                                       self.per_channel_decay)
+        core = self.num_v_heads * self.steps * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, steps, chunk)
         return proj + conv + core
 
     per_channel_decay = False  # whether decay(x) gives one decay per key channel (the op's costlier form)

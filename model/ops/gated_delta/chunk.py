@@ -7,7 +7,7 @@ from model.ops.varlen import ChunkLayout, check_packed
 
 
 CHUNK_SIZE = 32  # the CPU default: intra-chunk work per token grows with it, the recursion's steps shrink
-SUB_BLOCK = 8  # a per-channel decay's exact pairs (decayed_products.py): sub-blocks of up to this many tokens
+SUB_BLOCK = 8  # a per-channel decay too fast to factor (decayed_products.py): sub-blocks of up to this many tokens
 # fla's kernels (module, function) per decay form. DeltaNet's chunked form runs fla's GDN kernel with g = 0:
 # fla's chunk_delta_rule refuses float32 inputs (an assert), which fp32 runs and the checks hand it.
 CHUNK_KERNELS = {"none": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
@@ -243,8 +243,9 @@ class _ChunkedPerChannel(torch.autograd.Function):
     """_ChunkedGatedDelta for a decay per key channel, g [B, T, H, K], and gates per channel, erase [B, T, H, K or 1]
     and write [B, T, H, V or 1] (per_channel_gates; otherwise the same arguments, returns and resets / ends), its
     backward by hand the same way. Gamma_ijd = exp(G_id - G_jd) is contracted inside the products
-    akk = P(b o k, k), aqk = P(q, k) (decayed_products.products_forward, both at once, by sub-blocks of
-    sub_block(C) tokens), so no exponent is positive however strong the decay; e^{G_C} scales the state's rows."""
+    akk = P(b o k, k), aqk = P(q, k) (decayed_products.products_forward, both at once: a matmul each through the
+    channels' mid decay, a chunk decaying too fast for it by sub-blocks of sub_block(C) tokens), so no factor
+    overflows however strong the decay; e^{G_C} scales the state's rows."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, erase, write, S0, scale, C, resets, ends):
@@ -316,21 +317,14 @@ def chunk_size_on(device, chunk_size: int, seq_len: int, per_channel: bool = Fal
     return FLA_CHUNK_SIZE if kernel_runs(kernel, device) else min(chunk_size, seq_len)
 
 
-def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chunk_size: int,
-                            per_channel: bool = False) -> float:
+def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chunk_size: int) -> float:
     """Forward FLOPs per token per head of the chunked (WY) delta rule at chunk C = chunk_size (chunk_size_on),
     the sequence padded to whole chunks, 2 per multiply-add. Per chunk: k k^T and q k^T (C^2 K each); the
     unit-lower-triangular solve against the identity (C (C - 1) / 2 multiply-adds per column, C columns);
     [u | w] = inv [beta v | beta k e^G] (C^2 (V + K)); w S and kd^T vnew in the state recursion and q S (C K V
-    each); the intra-chunk (Gamma o q k^T) vnew (C^2 V). A decay per key channel (per_channel) computes k k^T and
-    q k^T as decayed_products.py does: as matmuls only the pairs across sub-blocks of c tokens, sub-block n's c rows
-    against the n c columns before it (C^2 K (nb - 1) / (2 nb) each, nb = C / c sub-blocks); the pairs within a
-    sub-block (C (c + 1) / 2 K multiply-adds each) are elementwise products, left out as every elementwise op is."""
+    each); the intra-chunk (Gamma o q k^T) vnew (C^2 V). The same for a decay per key channel, whose k k^T and q k^T
+    are whole matmuls too (decayed_products.py; a chunk decaying too fast for them adds its sub-block path's)."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
     chunks = -(-seq_len // C)
-    nb = C // sub_block(C)
-    kk_qk = 2 * (C * C * K * (nb - 1) / (2 * nb) if per_channel else C * C * K)
-    per_chunk = 2 * (kk_qk + C * C * (C - 1) / 2 + C * C * (V + K) + 3 * C * K * V + C * C * V)
+    per_chunk = 2 * (2 * C * C * K + C * C * (C - 1) / 2 + C * C * (V + K) + 3 * C * K * V + C * C * V)
     return chunks * per_chunk / seq_len
-
-
