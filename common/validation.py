@@ -4,6 +4,7 @@ key[]) and its checks between keys; an entry point composes them and reports eve
 each naming the key, the value and what is valid (Problems). Block and suite options (model/options.py) build
 their Rules from their dataclass fields."""
 import re
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -14,7 +15,7 @@ class Rule:
     above: float | None = None
     at_most: float | None = None
     below: float | None = None
-    choices: tuple | None = None
+    choices: Collection | None = None  # a tuple, or a Registry: its names when checked
     nullable: bool = False
 
     def listed_choices(self) -> str:

@@ -11,11 +11,12 @@ Checks that need the model's config (a head count dividing a width) stay in the 
 message `bad_option` writes."""
 import dataclasses
 import typing
+from collections.abc import Collection
 
 from common.validation import Rule
 
 
-def option(default, *, choices: tuple | None = None, at_least: float | None = None, above: float | None = None,
+def option(default, *, choices: Collection | None = None, at_least: float | None = None, above: float | None = None,
            at_most: float | None = None):
     """A dataclass field: its default and its valid values (one of `choices`, or a number >= at_least / > above /
     <= at_most), the Rule (common/validation.py) of its annotated type; for a list option (annotated list[...]),

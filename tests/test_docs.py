@@ -15,7 +15,9 @@ import pytest
 from conftest import ROOT
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
-FENCE = re.compile(r"```(?:bash|sh|shell|console)?\n(.*?)```", re.S)
+FENCE = re.compile(r"```(\w*)\n(.*?)```", re.S)  # every block, whatever its language: a block's closing fence never opens one
+SHELL = ("", "bash", "sh", "shell", "console")
+EXTENDING = ROOT / "docs" / "extending.md"
 INLINE = re.compile(r"`([^`\n]+)`")
 STARTS = re.compile(r"^(?:[A-Z_]+=\S+\s+)*(?:time\s+)?(python3?\s+(?:-m\s+(?:scripts|studies)\.\w+|eval\.py|train\.py"
                     r"|(?:scripts|studies)/\S+\.py)"
@@ -29,8 +31,9 @@ def commands(page: Path) -> list[str]:
     `accelerate launch` in prose and a chain after `git checkout <commit>` are not commands."""
     text = page.read_text()
     lines = []
-    for block in FENCE.findall(text):
-        lines += re.sub(r"\\\n\s*", " ", block).splitlines()
+    for language, block in FENCE.findall(text):
+        if language in SHELL:
+            lines += re.sub(r"\\\n\s*", " ", block).splitlines()
     lines += INLINE.findall(FENCE.sub("", text))
     found = []
     for line in lines:
@@ -43,8 +46,22 @@ def commands(page: Path) -> list[str]:
     return found
 
 
+def example_names() -> set[str]:
+    """What docs/extending.md has the reader write: the names its python blocks register."""
+    blocks = [block for language, block in FENCE.findall(EXTENDING.read_text()) if language == "python"]
+    return set(re.findall(r'\.register\("(\w+)"\)', "\n".join(blocks)))
+
+
+def example_commands() -> list[str]:
+    """docs/extending.md's commands that use a component the page has the reader write: they need its files, so
+    test_the_new_mixer_and_objective_examples_train runs them with those files, in place of composing them."""
+    names = example_names()
+    return [c for c in commands(EXTENDING) if any(re.search(rf"(?<![\w-]){n}(?![\w-])", c) for n in names)]
+
+
 def all_commands() -> list[tuple[str, str]]:
-    return [(str(p.relative_to(ROOT)), c) for p in PAGES for c in commands(p)]
+    examples = set(example_commands())
+    return [(str(p.relative_to(ROOT)), c) for p in PAGES for c in commands(p) if not (p == EXTENDING and c in examples)]
 
 
 def words(command: str) -> list[str]:
@@ -212,17 +229,17 @@ def doc_block(page: Path, language: str, first_line: str) -> str:
 
 
 # In a fresh process: exec the example files (a mixer's @MIXERS.register runs before train.py's register_hydra() stores
-# its Options as mixer_options/<name>, an objective's before training/validation.py lists the objectives), then
-# train.py's main on each run's overrides, one after another (imported, main's configs/ is given as an absolute
-# --config-path: Hydra would look for a module)
+# its Options as mixer_options/<name>), then
+# train.py's main on each run's overrides, one after another, then eval.py's on each evaluation's (imported, their
+# configs/ given as an absolute --config-path: Hydra would look for a module)
 TRAIN_WITH_FILES = """
 import json, sys, types
 from pathlib import Path
 
-root, files, runs = sys.argv[1:]
+root, files, runs, evals = sys.argv[1:]
 sys.path.insert(0, root)
 for file in json.loads(files):
-    module = types.ModuleType(Path(file).stem)
+    module = types.ModuleType(f"extending_{Path(file).stem}")  # not the stdlib's name (copy.py)
     sys.modules[module.__name__] = module
     exec(compile(Path(file).read_text(), file, "exec"), module.__dict__)
 
@@ -233,34 +250,59 @@ for overrides in json.loads(runs):
     sys.argv = ["train.py", f"--config-path={root}/configs", *overrides]
     train.main()
     AcceleratorState._reset_state(reset_partial_state=True)
+
+import eval as eval_entry
+from evaluation.suites import SUITES
+
+for overrides in json.loads(evals):  # each suite at its quick_options, after the command's own
+    suites = next((o.partition("=")[2].strip("[]").split(",") for o in overrides if o.startswith("suite=")), [])
+    quick = [f"{s}.{k}={v if isinstance(v, str) else json.dumps(v)}" for s in suites for k, v in SUITES.get(s).quick_options.items()]
+    sys.argv = ["eval.py", f"--config-path={root}/configs", *overrides, *quick]
+    eval_entry.main()
+    checkpoint = next(o.partition("=")[2] for o in overrides if o.startswith("checkpoint="))
+    print("eval scores:", json.dumps(sorted(json.loads(next(Path(checkpoint).rglob("eval.json")).read_text())["scores"])))
 """
 
 
 @pytest.mark.slow
-def test_the_new_mixer_and_objective_examples_train(tmp_path):
-    """docs/extending.md's shift mixer, its two files as written (in tmp_path, configs/ on Hydra's search path), trains
-    2 steps under experiment=mqar and experiment=state_tracking (each sets model.parametrization=per_mixer, which
-    gives shift, declaring none, llama's untied output layer); its label-smoothing objective, as written, trains 2
-    steps beside, with a loss above the plain cross-entropy it logs."""
+def test_the_new_mixer_and_objective_examples_train(tmp_path, data_cache):
+    """docs/extending.md's examples, their files as written (in tmp_path, configs/ on Hydra's search path): the shift
+    mixer trains 2 steps under experiment=mqar and experiment=state_tracking (each sets model.parametrization=per_mixer,
+    which gives shift, declaring none, llama's untied output layer); the label-smoothing objective trains 2 steps
+    beside, with a loss above the plain cross-entropy it logs; and every command of the page that uses an example
+    (example_commands: the shift mixer's and the tempered router's train.py runs, the eval.py runs of the copy suite
+    and of the suites on the shift run) runs as written, at 2 steps of a tiny model and each suite's quick options."""
     import json
     import subprocess
 
-    page = ROOT / "docs" / "extending.md"
-    mixer_file, objective_file = tmp_path / "shift.py", tmp_path / "smoothed.py"
-    mixer_file.write_text(doc_block(page, "python", "# model/mixers/shift.py"))
-    objective_file.write_text(doc_block(page, "python", "# training/objectives/smoothed.py"))
+    (tmp_path / "examples").mkdir()  # not the working directory, which is on sys.path ahead of the stdlib
+    files = {name: tmp_path / "examples" / f"{name}.py" for name in ("shift", "smoothed", "tempered", "copy")}
+    files["shift"].write_text(doc_block(EXTENDING, "python", "# model/mixers/shift.py"))
+    files["smoothed"].write_text(doc_block(EXTENDING, "python", "# training/objectives/smoothed.py"))
+    files["tempered"].write_text(doc_block(EXTENDING, "python", "# model/ffn/routers/tempered.py"))
+    files["copy"].write_text(doc_block(EXTENDING, "python", "# evaluation/suites/copy.py"))
+    assert set(files) == example_names()
     (tmp_path / "configs" / "mixer").mkdir(parents=True)
-    (tmp_path / "configs" / "mixer" / "shift.yaml").write_text(doc_block(page, "yaml", "# configs/mixer/shift.yaml"))
-    tiny = ["mixer=shift", "model.hidden_size=32", "trainer.seq_len=16", "trainer.batch_size=8", "trainer.max_steps=2",
+    (tmp_path / "configs" / "mixer" / "shift.yaml").write_text(doc_block(EXTENDING, "yaml", "# configs/mixer/shift.yaml"))
+    tiny = ["model.hidden_size=32", "trainer.seq_len=16", "trainer.batch_size=8", "trainer.max_steps=2",
             "trainer.warmup_steps=1", "trainer.eval_every=2", "trainer.log_every=1", f"hydra.searchpath=[file://{tmp_path / 'configs'}]"]
-    mqar = ["experiment=mqar", "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64}]",
+    mqar = ["mixer=shift", "experiment=mqar", "data.train=[{seq_len:16,num_kv_pairs:2,num_examples:64}]",
             "data.test=[{seq_len:16,num_kv_pairs:2,num_examples:8}]"]
-    runs = {"mqar": mqar, "state_tracking": ["experiment=state_tracking", "data.task=s3", "data.train_examples=64",
-                                             "data.test_examples=4"],
+    runs = {"mqar": mqar, "state_tracking": ["mixer=shift", "experiment=state_tracking", "data.task=s3",
+                                             "data.train_examples=64", "data.test_examples=4"],
             "smoothed": [*mqar, "objective=smoothed"]}
-    proc = subprocess.run([sys.executable, "-c", TRAIN_WITH_FILES, str(ROOT), json.dumps([str(mixer_file), str(objective_file)]),
-                           json.dumps([[*overrides, *tiny, f"run_dir={tmp_path / name}"] for name, overrides in runs.items()])],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    evals = []
+    for command in example_commands():  # outputs/<name> in the page: tmp_path/<name>; outputs/<run>: the shift run
+        args = [a.replace("outputs/X", "outputs/shift").replace("outputs/", f"{tmp_path}/") for a in words(command)[2:]]
+        if words(command)[1] == "train.py":
+            given = next((a.partition("=")[2] for a in args if a.startswith("run_dir=")), None)
+            runs[Path(given).name if given else f"page_{len(runs)}"] = [a for a in args if not a.startswith("run_dir=")]
+        else:
+            evals.append([*args, f"hydra.searchpath=[file://{tmp_path / 'configs'}]"])
+    assert "shift" in runs and len(runs) == 5 and len(evals) == 2, (runs, evals)
+    proc = subprocess.run([sys.executable, "-c", TRAIN_WITH_FILES, str(ROOT), json.dumps([str(f) for f in files.values()]),
+                           json.dumps([[*overrides, *tiny, f"run_dir={tmp_path / name}"] for name, overrides in runs.items()]),
+                           json.dumps(evals)], cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name, metric in (("mqar", "val/mqar_acc"), ("state_tracking", "val/state_acc"), ("smoothed", "val/mqar_acc")):
         info = json.loads((tmp_path / name / "run_info.json").read_text())
@@ -270,3 +312,8 @@ def test_the_new_mixer_and_objective_examples_train(tmp_path):
         assert json.loads((tmp_path / name / "final" / "config.json").read_text())["tie_word_embeddings"] is False
     assert "objective smoothed: cross-entropy with label smoothing 0.1 for 2 steps" in proc.stdout + proc.stderr
     assert "objective: smoothed" in (tmp_path / "smoothed" / "config.yaml").read_text()
+    router_run = next(tmp_path / name for name in runs if name.startswith("page_"))
+    assert '"router": "tempered"' in (router_run / "final" / "config.json").read_text()
+    scored = [{k.split("/")[0] for k in json.loads(line.removeprefix("eval scores: "))}
+              for line in proc.stdout.splitlines() if line.startswith("eval scores: ")]
+    assert len(scored) == 2 and {"length", "recall", "decode"} <= scored[0] and "copy" in scored[1], scored

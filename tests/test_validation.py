@@ -1,5 +1,5 @@
 """Every bad trainer, model, data, optimizer and eval value is one line naming the key, the value and what
-is valid, before anything is written (training/validation.py composes every component's rules, TRAIN_RULES;
+is valid, before anything is written (training/validation.py composes every component's rules, train_rules();
 evaluation/validation.py eval.py's); a resumed run takes its saved config,
 with only what may change on resume (training/config.py config_for_resume)."""
 import copy
@@ -18,7 +18,7 @@ from evaluation.validation import EVAL_RULES, check_eval_config
 from model.registry import MIXERS
 from runs.config import compose, group_choices
 from training.config import config_for_resume
-from training.validation import TRAIN_RULES, check_train_config, train_config_problems
+from training.validation import check_train_config, train_config_problems, train_rules
 
 
 @functools.cache
@@ -48,7 +48,7 @@ def test_every_number_and_flag_has_a_rule():
     for cfg in every_train_config():
         for key, value in leaves(OmegaConf.to_container(cfg, resolve=True)).items():
             if isinstance(value, (bool, int, float)) and not key.startswith(("mixer.", "ffn.")):
-                if rule_for(key, TRAIN_RULES) is None:
+                if rule_for(key, train_rules()) is None:
                     unchecked.add(key)
     for key, value in leaves(OmegaConf.to_container(composed_eval(["checkpoint=x"]))).items():
         if isinstance(value, (bool, int, float)) and rule_for(key, EVAL_RULES) is None and key.split(".")[0] not in SUITES.names():
@@ -102,7 +102,7 @@ def bad_values(rule):
 
 
 def train_cases():
-    for key, rule in TRAIN_RULES.items():
+    for key, rule in train_rules().items():
         data = ("data=state_tracking" if key in ("data.task", "data.modulus", "data.train_examples", "data.test_examples") else
                 "data=mqar" if key.startswith(("data.power_a", "data.train", "data.test")) else
                 "data=hf" if key in ("data.max_tokens", "data.streaming", "data.bpe_train_bytes") else None)

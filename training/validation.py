@@ -18,7 +18,7 @@ from training.objectives import OBJECTIVES
 
 RULES = {
     "seed": count(),
-    "objective": Rule(str, choices=tuple(OBJECTIVES.names())),
+    "objective": Rule(str, choices=OBJECTIVES),
     "trainer.seq_len": Rule(int, at_least=2),  # position t predicts t + 1
     "trainer.batch_size": positive(),
     "trainer.grad_accum": positive(),
@@ -46,9 +46,15 @@ RULES = {
     "trainer.sample_repetition_penalty": Rule(float, above=0),
     "logger.mode": Rule(str, choices=("auto", "online", "offline", "disabled")),
 }
-OBJECTIVE_CLASSES = [OBJECTIVES.get(name) for name in OBJECTIVES.names()]
-TRAIN_RULES = {**model_config.RULES, **RULES, **data_options.RULES, **optim.RULES,
-               **{key: rule for objective in OBJECTIVE_CLASSES for key, rule in objective.rules.items()}}
+def objective_classes() -> list:
+    """Every registered objective, read when a config is checked (one registered after this module is imported too)."""
+    return [OBJECTIVES.get(name) for name in OBJECTIVES]
+
+
+def train_rules() -> dict:
+    """Every component's rules, composed: the model's, the trainer's, the data's, the optimizer's, each objective's."""
+    return {**model_config.RULES, **RULES, **data_options.RULES, **optim.RULES,
+            **{key: rule for objective in objective_classes() for key, rule in objective.rules.items()}}
 
 
 def cross_checks(config: dict, problems: Problems) -> None:
@@ -84,11 +90,11 @@ def check_train_config(cfg) -> None:
 
 
 def train_config_problems(cfg) -> list[str]:
-    """check_train_config's problems: each value against TRAIN_RULES, then each component's checks between keys,
+    """check_train_config's problems: each value against train_rules(), then each component's checks between keys,
     each run only where the keys it reads passed their own."""
     config = OmegaConf.to_container(cfg, resolve=True)
-    problems = Problems(leaves(config), TRAIN_RULES)
+    problems = Problems(leaves(config), train_rules())
     for component_checks in (model_config.cross_checks, cross_checks, data_options.cross_checks,
-                             *(objective.cross_checks for objective in OBJECTIVE_CLASSES)):
+                             *(objective.cross_checks for objective in objective_classes())):
         component_checks(config, problems)
     return problems.lines

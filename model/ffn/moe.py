@@ -74,7 +74,7 @@ LOSSES = ("balance_loss", "z_loss", "sequence_balance_loss", "group_balance_loss
 
 @dataclass
 class MoEOptions:
-    router: str = option("topk", choices=tuple(ROUTERS.names()))
+    router: str = option("topk", choices=ROUTERS)
     # the router's own options (its Options dataclass), e.g. {"capacity_factor": 2.0} with router=expert_choice
     router_options: dict = dataclasses.field(default_factory=dict)
     num_experts: int = option(8, at_least=1)                     # E
