@@ -145,6 +145,45 @@ def test_deltaproduct_gradients_and_packing():
         torch.testing.assert_close(h[i:i + 1], h_ref.detach(), rtol=1e-10, atol=1e-10)
 
 
+@pytest.mark.parametrize("n, chunk_size", [(2, 8), (3, 8), (3, 16)])  # chunks of 8, 6, 15 steps
+def test_deltaproduct_query_rows_alone(n, chunk_size):
+    """The chunked op's output side at the query rows alone (query_every = n): outputs, final states and every
+    gradient (h0's too) as the recurrence's, alone (13 tokens, a partial last chunk) and packed (5 + 8 tokens);
+    a decay per key channel takes the queries spread over the steps instead."""
+    q, k, v, g, beta, h0 = product_inputs(n, T=13, max_beta=2.0, seed=n)
+    inputs = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    w_o, w_h = torch.randn(2, 13, 3, 6, dtype=f64), torch.randn(2, 3, 8, 6, dtype=f64)
+
+    def loss(o, h):
+        return (o * w_o[:o.shape[0]]).sum() + (h * w_h[:h.shape[0]]).sum()
+
+    o_ref, h_ref = naive_gated_delta_product(q, k, v, g, beta, n, scale=0.3, h=h0)
+    o, h = chunk_gated_delta_product(q, k, v, g, beta, n, scale=0.3, initial_state=h0, output_final_state=True,
+                                     chunk_size=chunk_size)
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
+    for name, a, r in zip("q k v g beta h0".split(), torch.autograd.grad(loss(o, h), inputs),
+                          torch.autograd.grad(loss(o_ref, h_ref), inputs)):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-9, msg=f"grad {name}")
+    cu = torch.tensor([0, 5, 13])
+    row = [x[:1] for x in inputs[:5]]
+    o, h = chunk_gated_delta_product(*row, n, cu_seqlens=cu, output_final_state=True, chunk_size=chunk_size)
+    refs = [naive_gated_delta_product(q[:1, a:e], k[:1, a * n:e * n], v[:1, a * n:e * n], g[:1, a:e],
+                                      beta[:1, a * n:e * n], n) for a, e in zip(cu.tolist(), cu[1:].tolist())]
+    o_ref, h_ref = torch.cat([r[0] for r in refs], 1), torch.cat([r[1] for r in refs])
+    torch.testing.assert_close(o, o_ref, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(h, h_ref, rtol=1e-10, atol=1e-10)
+    for name, a, r in zip("q k v g beta".split(), torch.autograd.grad(loss(o, h), inputs[:5]),
+                          torch.autograd.grad(loss(o_ref, h_ref), inputs[:5])):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-9, msg=f"packed grad {name}")
+    g_channel = g[..., None].expand(2, 13, 3, 8).repeat_interleave(n, 1) / n  # per key channel, per step
+    o = chunk_gated_delta_rule(q, k, v, g_channel, beta, chunk_size=chunk_size, query_every=n)[0]
+    spread = torch.zeros(2, 13, n, 3, 8, dtype=f64)
+    spread[:, :, -1] = q
+    o_ref = chunk_gated_delta_rule(spread.flatten(1, 2), k, v, g_channel, beta, chunk_size=chunk_size)[0]
+    torch.testing.assert_close(o, o_ref[:, n - 1::n], rtol=0, atol=0)
+
+
 def test_bad_gate_shapes_are_one_line():
     q, k, v, g, b, w, _ = gdn2_inputs()
     with pytest.raises(ValueError, match=r"^an erase gate per key channel .* needs its write gate"):

@@ -51,7 +51,7 @@ def per_channel_gates(k, v, g, beta, write):
 
 @own_precision
 def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           chunk_size=CHUNK_SIZE, cu_seqlens=None, write=None):
+                           chunk_size=CHUNK_SIZE, cu_seqlens=None, write=None, query_every=1):
     """Chunked (WY) delta rule with decay g (None, per head or per key channel) and gates beta, write (one beta per
     head, or GDN-2's erase and write gates per channel; module docstring); returns (o [B, T, H, V], final state
     [B, H, K, V] or None).
@@ -68,9 +68,16 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     fastest on CPU for the scalar decay (fla's GPU kernel uses 64). With cu_seqlens every sequence is laid
     out on whole chunks (ChunkLayout) and the state entering a sequence's first chunk is dropped (e^G zeroed
     there).
+    query_every = s > 1 (a scalar decay or none): q [B, T / s, H, K] holds only the queries at steps s - 1,
+    2 s - 1, ... (the other steps' are zero, DeltaProduct's), o [B, T / s, H, V] the outputs there; the PyTorch
+    form then takes the chunk as a multiple of s and runs the output side on those rows alone.
     """
     form = "channel_gates" if channel_gates(k, v, beta, write) else decay_form(k, g)
     fla_chunk = optional_kernel(*CHUNK_KERNELS[form], q)
+    if query_every > 1 and (fla_chunk is not None or form not in ("none", "per_head")):
+        o, S = chunk_gated_delta_rule(spread_queries(q, query_every), k, v, g, beta, scale, initial_state,
+                                      output_final_state, chunk_size, cu_seqlens, write)
+        return o[:, query_every - 1::query_every], S
     if fla_chunk is not None:
         if form == "channel_gates":  # fla's GDN-2 takes a decay and an erase gate per key channel
             g, b, write = per_channel_gates(k, v, g, beta, write)
@@ -83,20 +90,32 @@ def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, out
     V = v.shape[-1]
     dtype, cd = v.dtype, accumulation_dtype(v.dtype)
     scale = K ** -0.5 if scale is None else scale
-    C = min(chunk_size, T)
+    C = pytorch_chunk(chunk_size, T, query_every)
     if form in ("per_channel", "channel_gates"):
-        core, inputs = _ChunkedPerChannel.apply, (q, k, v, *per_channel_gates(k, v, g, beta, write))
+        core, inputs, rows = _ChunkedPerChannel.apply, (q, k, v, *per_channel_gates(k, v, g, beta, write)), ()
     else:
         core, inputs = _ChunkedGatedDelta.apply, (q, k, v, q.new_zeros(B, T, H) if g is None else g, beta)
+        rows = (query_every,)
     if cu_seqlens is None:
         S0 = q.new_zeros(B * H, K, V, dtype=cd) if initial_state is None else initial_state.to(cd).reshape(B * H, K, V)
-        o, S = core(*(x.to(cd) for x in inputs), S0, scale, C, None, None)
+        o, S = core(*(x.to(cd) for x in inputs), S0, scale, C, None, None, *rows)
         return o.to(dtype), (S.view(B, H, K, V) if output_final_state else None)
     check_packed(q, cu_seqlens, initial_state)
     layout = ChunkLayout.build(cu_seqlens, C)
-    o, S = core(*(layout.pad(x.to(cd)) for x in inputs), q.new_zeros(H, K, V, dtype=cd),
-                scale, C, layout.resets, layout.ends)
-    return layout.unpad(o).to(dtype), (S if output_final_state else None)
+    # q's rows as their own layout: sequences of length / s tokens on chunks of C / s, the same chunks
+    q_layout = layout if query_every == 1 else ChunkLayout.build(cu_seqlens // query_every, C // query_every)
+    o, S = core(q_layout.pad(q.to(cd)), *(layout.pad(x.to(cd)) for x in inputs[1:]), q.new_zeros(H, K, V, dtype=cd),
+                scale, C, layout.resets, layout.ends, *rows)
+    return q_layout.unpad(o).to(dtype), (S if output_final_state else None)
+
+
+def spread_queries(q: torch.Tensor, every: int) -> torch.Tensor:
+    """q [B, T, H, *] as the queries of every `every`-th step of T every steps (at steps every - 1, 2 every - 1, ...),
+    zeros at the others."""
+    B, T = q.shape[:2]
+    spread = q.new_zeros(B, T, every, *q.shape[2:])
+    spread[:, :, -1] = q
+    return spread.flatten(1, 2)
 
 
 def _token_chunk_views(tokens: torch.Tensor, chunked: torch.Tensor, C: int) -> list[tuple]:
@@ -177,13 +196,17 @@ class _ChunkedGatedDelta(torch.autograd.Function):
     state gradient in one reverse loop, and d inv folded into dA = -strictLower(inv^T [du | dw] [u | w]^T).
     resets [N] bool (or None): chunk n ignores the state entering it (its e^G is zeroed, so q e^G S_n,
     w S_n and e^{G_C} S_n vanish, in backward too); the second output is then S_ends [len(ends), B H, K, V].
+    every = s: q [B, T / s, H, K] holds the queries of steps s - 1, 2 s - 1, ... alone (s divides C), the rows
+    `rows` of each chunk: the output side (q e^G, Gamma o Q K^T and their products) is taken at those rows only.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, g, beta, S0, scale, C, resets, ends):
-        T = k.shape[1]
-        q, k, v, G, beta = (_to_chunks(x, C) for x in (q, k, v, g, beta))
+    def forward(ctx, q, k, v, g, beta, S0, scale, C, resets, ends, every):
+        T, Tq = k.shape[1], q.shape[1]
+        q = _to_chunks(q, C // every)
+        k, v, G, beta = (_to_chunks(x, C) for x in (k, v, g, beta))
         G = G.cumsum_(-1)
+        rows = slice(every - 1, None, every)  # the query rows of a chunk
         N, B, H, _, K = k.shape
         V = v.shape[-1]
         causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
@@ -192,24 +215,25 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         if resets is not None:
             eG.masked_fill_(resets.view(N, 1, 1, 1), 0.0)
         kb = k * beta[..., None]
-        kg, qg, kd = kb * eG[..., None], q * eG[..., None], k * ed[..., None]
+        kg, qg, kd = kb * eG[..., None], q * eG[..., rows, None], k * ed[..., None]
         kT = k.transpose(-1, -2)
-        akk, aqk = (kb @ kT).mul_(gamma), (q @ kT).mul_(gamma)
+        akk, aqk = (kb @ kT).mul_(gamma), (q @ kT).mul_(gamma[..., rows, :])
         eye = torch.eye(C, dtype=q.dtype, device=q.device).expand(N, B, H, C, C)
         inv = torch.linalg.solve_triangular(akk, eye, upper=False, unitriangular=True)  # strict lower read
         u, w = inv @ (v * beta[..., None]), inv @ kg
         S_prev, vnew, S = _state_recursion(u, w, kd, eG[..., -1, None, None], S0, ends)
-        o = (qg @ S_prev).view(N * B * H, C, V).baddbmm_(aqk.view(-1, C, C), vnew.view(-1, C, V), alpha=1)
+        Cq = C // every
+        o = (qg @ S_prev).view(N * B * H, Cq, V).baddbmm_(aqk.view(-1, Cq, C), vnew.view(-1, C, V), alpha=1)
         ctx.save_for_backward(q, k, v, eG, ed, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd)
-        ctx.scale, ctx.T, ctx.ends = scale, T, ends
-        return _from_chunks(o.view(N, B, H, C, V), T, scale), S
+        ctx.scale, ctx.T, ctx.Tq, ctx.ends, ctx.rows = scale, T, Tq, ends, rows
+        return _from_chunks(o.view(N, B, H, Cq, V), Tq, scale), S
 
     @staticmethod
     def backward(ctx, do, dS_last):
         q, k, v, eG, ed, beta, gamma, akk, aqk, inv, u, w, S_prev, vnew, kb, kg, qg, kd = ctx.saved_tensors
         N, B, H, C, K = k.shape
-        V = v.shape[-1]
-        do = _to_chunks(do, C, ctx.scale)  # the gradient of the unscaled o
+        V, Cq, rows = v.shape[-1], q.shape[-2], ctx.rows
+        do = _to_chunks(do, Cq, ctx.scale)  # the gradient of the unscaled o
         # o = qg S + aqk vnew
         d_aqk = do @ vnew.transpose(-1, -2)
         dS0, d_next, du = _state_recursion_backward(aqk.transpose(-1, -2) @ do, qg.transpose(-1, -2) @ do, dS_last,
@@ -221,22 +245,26 @@ class _ChunkedGatedDelta(torch.autograd.Function):
         dA = (d_kg_neg @ w.transpose(-1, -2)).view(-1, C, C).baddbmm_(
             d_vb.view(-1, C, V), u.view(-1, C, V).transpose(-1, -2), alpha=-1).view(N, B, H, C, C).tril_(-1)
         # akk = (kb k^T) o gamma, aqk = (q k^T) o gamma, gamma = exp(G_i - G_j)
-        d_gamma = (dA * akk).addcmul_(d_aqk, aqk)  # d(G_i - G_j)
-        d_kbk, d_qk = dA.mul_(gamma), d_aqk.mul_(gamma)
+        d_gamma = dA * akk  # d(G_i - G_j)
+        d_gamma[..., rows, :].addcmul_(d_aqk, aqk)
+        d_kbk, d_qk = dA.mul_(gamma), d_aqk.mul_(gamma[..., rows, :])
         d_kb = (d_kbk @ k).addcmul_(d_kg_neg, eG[..., None], value=-1)
         d_qg = do @ S_prev.transpose(-1, -2)
-        dq = (d_qk @ k).addcmul_(d_qg, eG[..., None])
+        dq = (d_qk @ k).addcmul_(d_qg, eG[..., rows, None])
         dk = (d_kbk.transpose(-1, -2) @ kb).view(-1, C, K).baddbmm_(
-            d_qk.view(-1, C, C).transpose(-1, -2), q.view(-1, C, K)).view(N, B, H, C, K)
+            d_qk.view(-1, Cq, C).transpose(-1, -2), q.view(-1, Cq, K)).view(N, B, H, C, K)
         dk.addcmul_(d_kb, beta[..., None]).addcmul_(d_kd, ed[..., None])
         dbeta = (d_vb * v).sum(-1) + (d_kb * k).sum(-1)
         dv = d_vb.mul_(beta[..., None])
         d_ed = (d_kd * kd).sum(-1)  # d(G_C - G)
-        dG = d_gamma.sum(-1) - d_gamma.sum(-2) + (d_qg * qg).sum(-1) - (d_kg_neg * kg).sum(-1) - d_ed
+        d_qgG = eG.new_zeros(eG.shape)  # d G through q e^G, at the query rows
+        d_qgG[..., rows] = (d_qg * qg).sum(-1)
+        dG = d_gamma.sum(-1) - d_gamma.sum(-2) + d_qgG - (d_kg_neg * kg).sum(-1) - d_ed
         dG[..., -1] += d_ed.sum(-1) + (d_next * S_prev).sum((-1, -2)) * eG[..., -1]
         dg = dG.flip(-1).cumsum(-1).flip(-1)  # G = cumsum(g)
         T = ctx.T
-        return (*(_from_chunks(x, T) for x in (dq, dk, dv, dg, dbeta)), dS0, None, None, None, None)
+        return (_from_chunks(dq, ctx.Tq), *(_from_chunks(x, T) for x in (dk, dv, dg, dbeta)), dS0,
+                None, None, None, None, None)
 
 
 class _ChunkedPerChannel(torch.autograd.Function):
@@ -310,21 +338,31 @@ def sub_block(C: int) -> int:
 FLA_CHUNK_SIZE = 64  # the chunk of fla's chunk_gated_delta_rule and chunk_kda (their default; our calls pass none)
 
 
-def chunk_size_on(device, chunk_size: int, seq_len: int, per_channel: bool = False) -> int:
+def pytorch_chunk(chunk_size: int, seq_len: int, query_every: int = 1) -> int:
+    """The PyTorch form's chunk: chunk_size rounded down to a multiple of query_every (at least one), at most the
+    sequence (a multiple of query_every)."""
+    return min(max(chunk_size // query_every, 1) * query_every, seq_len)
+
+
+def chunk_size_on(device, chunk_size: int, seq_len: int, per_channel: bool = False, query_every: int = 1) -> int:
     """The chunk chunk_gated_delta_rule runs at on `device`: fla's where its kernel runs (CUDA; chunk_kda for a
-    decay per key channel), else min(chunk_size, seq_len) as the PyTorch form takes it."""
+    decay per key channel), else the PyTorch form's (pytorch_chunk)."""
     kernel = "fla.ops.kda" if per_channel else "fla.ops.gated_delta_rule"
-    return FLA_CHUNK_SIZE if kernel_runs(kernel, device) else min(chunk_size, seq_len)
+    return FLA_CHUNK_SIZE if kernel_runs(kernel, device) else pytorch_chunk(chunk_size, seq_len, query_every)
 
 
-def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chunk_size: int) -> float:
+def chunk_gated_delta_flops(head_k_dim: int, head_v_dim: int, seq_len: int, chunk_size: int,
+                            query_every: int = 1) -> float:
     """Forward FLOPs per token per head of the chunked (WY) delta rule at chunk C = chunk_size (chunk_size_on),
     the sequence padded to whole chunks, 2 per multiply-add. Per chunk: k k^T and q k^T (C^2 K each); the
     unit-lower-triangular solve against the identity (C (C - 1) / 2 multiply-adds per column, C columns);
     [u | w] = inv [beta v | beta k e^G] (C^2 (V + K)); w S and kd^T vnew in the state recursion and q S (C K V
     each); the intra-chunk (Gamma o q k^T) vnew (C^2 V). The same for a decay per key channel, whose k k^T and q k^T
-    are whole matmuls too (decayed_products.py; a chunk decaying too fast for them adds its sub-block path's)."""
+    are whole matmuls too (decayed_products.py; a chunk decaying too fast for them adds its sub-block path's).
+    With query_every = s the output side (q k^T, q S, the intra-chunk product) runs at the C / s query rows alone."""
     K, V, C = head_k_dim, head_v_dim, chunk_size
+    Cq = C // query_every
     chunks = -(-seq_len // C)
-    per_chunk = 2 * (2 * C * C * K + C * C * (C - 1) / 2 + C * C * (V + K) + 3 * C * K * V + C * C * V)
+    per_chunk = 2 * (C * C * K + Cq * C * K + C * C * (C - 1) / 2 + C * C * (V + K) + 2 * C * K * V + Cq * K * V
+                     + Cq * C * V)
     return chunks * per_chunk / seq_len
