@@ -34,7 +34,7 @@ from model.layers import ShortConv, at_least_fp32, init_fan_in_uniform_, residua
 from model.ops.gated_delta import (CHUNK_SIZE, chunk_gated_delta_flops, chunk_gated_delta_rule, chunk_size_on,
                                    fused_recurrent_gated_delta_rule)
 from model.ops.gated_delta.context_parallel import gated_delta_rule_cp
-from model.ops.kernels import repeat_heads
+from model.ops.kernels import kernel_runs, repeat_heads
 from model.options import bad_option, option
 
 
@@ -155,8 +155,11 @@ class DeltaRuleBlock(nn.Module):
         proj = 2 * sum(m.weight.numel() for m in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.o_proj))
         conv = 2 * sum(c.conv.weight.numel() for c in (self.q_conv, self.k_conv, self.v_conv))
         steps = seq_len * self.steps  # the rule runs over every step of every token
-        chunk = chunk_size_on(device, self.chunk_size, steps, self.per_channel_decay)
-        core = self.num_v_heads * self.steps * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, steps, chunk)
+        # the PyTorch form takes its output side at each token's query row alone (one step of self.steps); fla's at every step
+        kernel = "fla.ops.kda" if self.per_channel_decay else "fla.ops.gated_delta_rule"
+        every = 1 if kernel_runs(kernel, device) else self.steps
+        chunk = chunk_size_on(device, self.chunk_size, steps, self.per_channel_decay, query_every=every)
+        core = self.num_v_heads * self.steps * chunk_gated_delta_flops(self.head_dim, self.head_v_dim, steps, chunk, every)
         return proj + conv + core
 
     per_channel_decay = False  # whether decay(x) gives one decay per key channel (the op's costlier form)

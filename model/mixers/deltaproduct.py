@@ -20,10 +20,8 @@ DeltaRuleBlock's o_proj residual scale.
 from dataclasses import dataclass
 
 from model.mixers.gdn import GatedDeltaNet, GDNOptions
-from model.ops.gated_delta import chunk_gated_delta_flops, chunk_size_on
 from model.ops.gated_delta.product import (chunk_gated_delta_product, fused_recurrent_gated_delta_product,
                                            gated_delta_product_cp)
-from model.ops.kernels import kernel_runs
 from model.options import option
 from model.registry import MIXERS
 
@@ -49,18 +47,6 @@ class GatedDeltaProduct(GatedDeltaNet):
         return chunk_gated_delta_product(q, k, v, g, beta, self.steps, initial_state=initial_state,
                                          output_final_state=output_final_state, chunk_size=self.chunk_size,
                                          cu_seqlens=cu_seqlens)
-
-    def flops_per_token(self, seq_len: int, device) -> float:
-        """Gated DeltaNet's count over the T n steps, its rule's output side taken at the T query rows alone and its
-        chunk a multiple of n as chunk_gated_delta_product runs on CPU (fla's kernels run it at every step)."""
-        count = super().flops_per_token(seq_len, device)
-        if kernel_runs("fla.ops.gated_delta_rule", device):
-            return count
-        n, steps, K, V = self.steps, seq_len * self.steps, self.head_dim, self.head_v_dim
-        every_step = chunk_gated_delta_flops(K, V, steps, chunk_size_on(device, self.chunk_size, steps))
-        chunk = chunk_size_on(device, self.chunk_size, steps, query_every=n)
-        query_rows = chunk_gated_delta_flops(K, V, steps, chunk, query_every=n)
-        return count + self.num_v_heads * n * (query_rows - every_step)
 
     def rule_cp(self, q, k, v, g, beta, write, segments):
         return gated_delta_product_cp(q, k, v, g, beta, self.steps, segments, chunk_size=self.chunk_size)
