@@ -1,5 +1,5 @@
 """The harness of the studies that train ours beside other libraries' models in one process, on identical batches
-(studies/mqar.py, studies/gdn_language.py), which train.py cannot do: ours and the reference built to one Shape,
+(studies/mqar.py, studies/gdn_language.py, studies/state_tracking.py), which train.py cannot do: ours and the reference built to one Shape,
 the one training loop, and each side's best lr. analysis/runner.py's run_pending runs their jobs."""
 import math
 import sys
@@ -23,26 +23,31 @@ class Shape:
     intermediate_size: int | None = None
 
 
-def ours(mixer: str, vocab: int, d: int, parametrization: str, shape: Shape):
+def ours(mixer: str, vocab: int, d: int, parametrization: str, shape: Shape, options: dict | None = None):
+    """DecoderLM of `shape` with `mixer` in every layer, with its mixer.options `options` (None: its defaults)."""
     return DecoderLM(LMConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=shape.layers,
                               num_attention_heads=shape.heads, max_position_embeddings=shape.seq_len,
-                              intermediate_size=shape.intermediate_size, mixer=mixer, parametrization=parametrization))
+                              intermediate_size=shape.intermediate_size, mixer=mixer, parametrization=parametrization,
+                              mixer_options={mixer: options} if options else None))
 
 
-def reference(name: str, vocab: int, d: int, shape: Shape):
-    """The reference model (transformers', or fla's for linear) of the same shape as ours (heads, head and state
-    widths, FFN width), at its own init (and untied embeddings where its config's default is)."""
+def reference(name: str, vocab: int, d: int, shape: Shape, options: dict | None = None):
+    """The reference model (transformers', or fla's for linear attention and Gated DeltaProduct) of the same shape
+    as ours (heads, head and state widths, FFN width; ours with mixer.options `options`, which fla's Gated
+    DeltaProduct takes too), at its own init (and untied embeddings where its config's default is)."""
     if name == "qwen3_next_gdn":  # its GDN ops bind to fla's Triton kernels at import when fla is there: take the torch ones
         sys.modules["fla"] = None
     from transformers import (LlamaConfig, LlamaForCausalLM, Mamba2Config, Mamba2ForCausalLM, Qwen3NextConfig,
                               Qwen3NextForCausalLM)
 
-    mine = ours({"llama": "softmax", "qwen3_next_gdn": "gdn", "mamba2": "mamba2", "fla_linear_attn": "linear"}[name],
-                vocab, d, PER_MIXER, shape)
+    mine = ours({"llama": "softmax", "qwen3_next_gdn": "gdn", "mamba2": "mamba2", "fla_linear_attn": "linear",
+                 "fla_gated_deltaproduct": "deltaproduct"}[name], vocab, d, PER_MIXER, shape, options)
     common = dict(vocab_size=vocab, hidden_size=d, num_hidden_layers=shape.layers, pad_token_id=0, bos_token_id=0,
                   eos_token_id=0, use_cache=False)
     if name == "fla_linear_attn":
         return fla_linear_attention(common, mine.config.intermediate_size, shape)
+    if name == "fla_gated_deltaproduct":
+        return fla_gated_deltaproduct(common, mine, shape)
     if name == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, num_attention_heads=shape.heads, num_key_value_heads=shape.heads,
                                             intermediate_size=mine.config.intermediate_size,
@@ -67,7 +72,6 @@ def fla_linear_attention(common: dict, intermediate_size: int, shape: Shape):
     (fla/ops/linear_attn/naive.py) for its linear-attention kernels, nn.RMSNorm (weight at 1, as fla's) for the
     attention's output norm, silu(gate) * up for the MLP's swiglu."""
     import fla.layers.linear_attn as fla_layer
-    import fla.modules.mlp as fla_mlp
     from fla.models import LinearAttentionConfig, LinearAttentionForCausalLM
     from fla.ops.linear_attn.naive import naive_recurrent_linear_attn
 
@@ -79,7 +83,7 @@ def fla_linear_attention(common: dict, intermediate_size: int, shape: Shape):
     # patched in fla's modules, so for this whole process: each run has its own (run_pending, maxtasksperchild=1).
     # The layer's three modes: chunk when training, fused_recurrent for a no-grad T <= 64, else fused_chunk.
     fla_layer.chunk_linear_attn = fla_layer.fused_chunk_linear_attn = fla_layer.fused_recurrent_linear_attn = linear_attn
-    fla_mlp.swiglu = lambda gate, up: torch.nn.functional.silu(gate) * up
+    torch_for_fla_modules()
     model = LinearAttentionForCausalLM(LinearAttentionConfig(
         **common, attn_mode="chunk", num_heads=shape.heads, intermediate_size=intermediate_size,
         max_position_embeddings=shape.seq_len, fuse_norm=False, fuse_swiglu=False, fuse_cross_entropy=False))
@@ -87,6 +91,59 @@ def fla_linear_attention(common: dict, intermediate_size: int, shape: Shape):
         fused = block.attn.norm
         block.attn.norm = torch.nn.RMSNorm(fused.hidden_size, eps=fused.eps)
     return model
+
+
+def torch_for_fla_modules() -> None:
+    """fla's modules that call Triton, which raises on a CPU, made the same math in torch for this whole process: the
+    MLP's swiglu (silu(gate) * up), ShortConvolution (a causal depthwise conv, then its silu; one whole sequence per
+    row, no cache) and FusedRMSNormGated (RMSNorm(x) * weight * act(g), fla's norm before its gate)."""
+    import fla.modules.mlp as fla_mlp
+    import torch.nn.functional as F
+    from fla.modules import FusedRMSNormGated, ShortConvolution
+
+    def short_conv(self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None, **kwargs):
+        assert residual is None and mask is None and cache is None and cu_seqlens is None, "one sequence per row"
+        y = F.conv1d(x.transpose(1, 2), self.weight, self.bias, padding=self.kernel_size[0] - 1, groups=self.groups)
+        y = y[..., :x.shape[1]].transpose(1, 2)
+        return (F.silu(y) if self.activation else y), None
+
+    def norm_gated(self, x, g, residual=None, prenorm=False, residual_in_fp32=False):
+        assert residual is None and not prenorm, "no fused residual"
+        act = torch.sigmoid if self.activation == "sigmoid" else F.silu
+        return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps) * act(g)
+
+    fla_mlp.swiglu = lambda gate, up: F.silu(gate) * up
+    ShortConvolution.forward, FusedRMSNormGated.forward = short_conv, norm_gated
+
+
+def fla_gated_deltaproduct(common: dict, mine, shape: Shape):
+    """fla's GatedDeltaProductForCausalLM shaped as `mine` (our deltaproduct DecoderLM: heads, head width, expand_v,
+    conv size, num_householder, allow_neg_eigval, FFN width), with its forget gate and output gate on as ours has
+    them, fla's own init and untied embeddings, torch's norms and loss where its config offers fused ones, and its
+    Triton calls replaced by the same math (torch_for_fla_modules; its chunked product by fla's own reference
+    recurrence, fla/ops/gated_delta_product/naive.py, on q and k L2-normalised as its kernel does)."""
+    import fla.layers.gated_deltaproduct as fla_layer
+    from fla.models import GatedDeltaProductConfig, GatedDeltaProductForCausalLM
+    from fla.ops.gated_delta_product.naive import naive_recurrent_gated_delta_product
+
+    def product(q, k, v, g, beta, initial_state=None, output_final_state=False, cu_seqlens=None, num_householder=1,
+                use_qk_l2norm_in_kernel=False, scale=None):
+        assert cu_seqlens is None, "one sequence per row"
+        if use_qk_l2norm_in_kernel:  # fla's l2norm: x / sqrt(sum x^2 + 1e-6)
+            q, k = (x * torch.rsqrt(x.float().pow(2).sum(-1, keepdim=True) + 1e-6).to(x.dtype) for x in (q, k))
+        return naive_recurrent_gated_delta_product(q, k, v, g, beta, q.shape[-1] ** -0.5 if scale is None else scale,
+                                                   initial_state=initial_state, output_final_state=output_final_state,
+                                                   num_householder=num_householder)
+
+    # the layer trains in chunk mode; at eval fla takes its fused_recurrent kernel for T <= 64, which stays Triton's
+    fla_layer.chunk_gated_delta_product = product
+    torch_for_fla_modules()
+    m = mine.layers[0].mixer
+    return GatedDeltaProductForCausalLM(GatedDeltaProductConfig(
+        **common, num_heads=m.num_heads, head_dim=m.head_dim, expand_v=m.expand_v, conv_size=m.conv_size,
+        use_forget_gate=True, use_output_gate=True, allow_neg_eigval=m.allow_neg_eigval, num_householder=m.steps,
+        intermediate_size=mine.config.intermediate_size, max_position_embeddings=shape.seq_len, fuse_norm=False,
+        fuse_swiglu=False, fuse_cross_entropy=False))
 
 
 def warmup_cosine(s: int, warmup: int, steps: int) -> float:

@@ -197,6 +197,67 @@ def test_mqar_study_linear_beside_fla(tmp_path):
     assert row[:3] == ["linear", "32", "per_mixer"] and row[4] == "fla_linear_attn"
 
 
+@pytest.mark.slow
+def test_state_tracking_study_deltaproduct_beside_fla(tmp_path):
+    """deltaproduct beside fla's Gated DeltaProduct model on S3 in worker processes (fla's layer, norms and MLP call
+    Triton, which raises on a CPU: the reference's run landing in runs.jsonl shows each was swapped), scored by
+    train.py's length bands; the table holds both sides and flags a one-lr grid as its edge."""
+    pytest.importorskip("fla")
+    from studies import state_tracking
+
+    assert state_tracking.main(["--task", "s3", "--householder", "2", "--seeds", "0", "--lrs", "1e-3", "--steps", "2",
+                                "--eval-every", "1", "--jobs", "2", "--out", str(tmp_path)]) == 0
+    runs = {r["impl"]: r for r in map(json.loads, (tmp_path / "runs.jsonl").read_text().splitlines())}
+    assert set(runs) == {"ours", "fla_gated_deltaproduct"}
+    assert runs["ours"]["params"] == runs["fla_gated_deltaproduct"]["params"]  # the same shape
+    for r in runs.values():
+        assert [s for s, _ in r["curve"]] == [1, 2] and [L for L, _ in r["bands"]] == [64, 128, 256, 512]
+        assert all(0 <= acc <= 1 for _, acc in r["bands"])
+    table = (tmp_path / "table.md").read_text()
+    rows = table_rows(table)
+    assert [row[:2] for row in rows[1:]] == [["s3, deltaproduct n=2 + neg", "ours"],
+                                             ["s3, deltaproduct n=2 + neg", "fla_gated_deltaproduct"]]
+    assert table.count("**Warning:") == 2 and (tmp_path / "state_acc_length.png").stat().st_size > 0
+
+
+def test_fla_deltaproduct_reference_is_our_layer_given_our_weights(monkeypatch):
+    """The state-tracking study's reference, fla's Gated DeltaProduct layer with its Triton calls swapped for torch
+    (studies/side_by_side.py), computes what our deltaproduct layer computes once it holds our layer's weights, with
+    and without negative eigenvalues: so the study's two sides differ in fla's init and model body, not in the
+    layer's math. The swaps are undone after the test (monkeypatch), as they patch fla's modules process-wide."""
+    pytest.importorskip("fla")
+    import fla.layers.gated_deltaproduct as fla_layer
+    import fla.modules.mlp as fla_mlp
+    from fla.modules import FusedRMSNormGated, ShortConvolution
+
+    from studies.side_by_side import Shape, ours, reference
+
+    for owner, name in ((fla_layer, "chunk_gated_delta_product"), (fla_mlp, "swiglu"), (ShortConvolution, "forward"),
+                        (FusedRMSNormGated, "forward")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))  # restored at teardown, whatever the swap sets
+    shape = Shape(layers=1, heads=2, seq_len=16)
+    for neg in (False, True):
+        options = {"num_householder": 3, "allow_neg_eigval": neg}
+        mine = ours("deltaproduct", 8, 32, "per_mixer", shape, options).layers[0].mixer.double()
+        theirs = reference("fla_gated_deltaproduct", 8, 32, shape, options).model.layers[0].attn.double()
+        with torch.no_grad():
+            for p in mine.parameters():
+                p.normal_(0, 0.3)
+            for ours_name, fla_name in (("q_conv.conv", "q_conv1d"), ("k_conv.conv", "k_conv1d"),
+                                        ("v_conv.conv", "v_conv1d")):
+                theirs.get_submodule(fla_name).weight.copy_(mine.get_submodule(ours_name).weight)
+            for name in ("q_proj", "k_proj", "v_proj", "b_proj", "a_proj", "g_proj", "o_proj", "o_norm"):
+                theirs.get_submodule(name).weight.copy_(mine.get_submodule(name).weight)
+            theirs.A_log.copy_(mine.A_log)
+            theirs.dt_bias.copy_(mine.dt_bias)
+        x = torch.randn(2, 13, 32, dtype=torch.float64)
+        theirs.train()  # chunk mode: the swapped product
+        expected = mine(x)
+        got = theirs(x)[0]  # fla's recurrence runs in float32 whatever its input
+        assert expected.abs().mean() > 1e-3
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+
+
 def test_gdn_language_study(tmp_path, capsys, data_cache):
     """Our gdn beside Qwen3-Next's GDN layers on the corpus, each in its own process (the reference's import blocks fla
     there): both land in runs.jsonl with their curves, the reference's parameter count is ours untied (the same
