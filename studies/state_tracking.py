@@ -29,13 +29,13 @@ from omegaconf import OmegaConf
 from analysis.best import edge_text
 from analysis.runner import read_runs, run_pending
 from common.plots import SeriesStyle, legend_outside, mean_band, pyplot, save_figure
+from data.state_tracking import TASKS, build_state_tracking
 from model.config import PER_MIXER
 from runs.plots import state_accuracy_axes
 from studies.side_by_side import Shape, best_over_lr, ours, reference, train
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = {"deltaproduct": "fla_gated_deltaproduct"}  # mixer -> its reference; the mixers this study runs
-TASKS = ("parity", "mod_count", "s3", "s4", "a5", "s5")  # data/state_tracking.py's
 
 
 def experiment() -> dict:
@@ -47,8 +47,6 @@ def experiment() -> dict:
 def run(job: dict) -> dict:
     """Train one model on the job's task: the job with its mean accuracy curve (every eval_every steps) and its final
     accuracy per length band."""
-    from data.state_tracking import build_state_tracking
-
     torch.set_num_threads(1)
     exp = experiment()
     model_cfg, trainer = exp["model"], exp["trainer"]
