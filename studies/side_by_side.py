@@ -1,6 +1,7 @@
 """The harness of the studies that train ours beside other libraries' models in one process, on identical batches
-(studies/mqar.py, studies/gdn_language.py, studies/state_tracking.py), which train.py cannot do: ours and the reference built to one Shape,
-the one training loop, and each side's best lr. analysis/runner.py's run_pending runs their jobs."""
+(studies/mqar.py, studies/gdn_language.py, studies/state_tracking.py), which train.py cannot do: ours and the
+reference built to one Shape, the one training loop, and each side's best lr. analysis/runner.py's run_pending runs
+their jobs."""
 import math
 import sys
 import time

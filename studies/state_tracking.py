@@ -144,6 +144,7 @@ def plot_bands(rows: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
+    trainer = experiment()["trainer"]
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--task", default="s3", help=f"data.task, one of {', '.join(TASKS)}")
     p.add_argument("--mixer", default="deltaproduct", help=f"one of {', '.join(REFERENCE)}")
@@ -151,8 +152,8 @@ def main(argv=None) -> int:
     p.add_argument("--allow-neg-eigval", default="true", choices=("true", "false"))
     p.add_argument("--lrs", default="1e-3")
     p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--steps", type=int, default=experiment()["trainer"]["max_steps"])
-    p.add_argument("--eval-every", type=int, default=experiment()["trainer"]["eval_every"])
+    p.add_argument("--steps", type=int, default=trainer["max_steps"])
+    p.add_argument("--eval-every", type=int, default=trainer["eval_every"])
     p.add_argument("--no-reference", action="store_true", help="ours only")
     p.add_argument("--jobs", type=int, default=1, help="runs at once, one thread each")
     p.add_argument("--out", default="reports/st_side_by_side")
