@@ -97,10 +97,11 @@ def fla_linear_attention(common: dict, intermediate_size: int, shape: Shape):
 def torch_for_fla_modules() -> None:
     """fla's modules that call Triton, which raises on a CPU, made the same math in torch for this whole process: the
     MLP's swiglu (silu(gate) * up), ShortConvolution (a causal depthwise conv, then its silu; one whole sequence per
-    row, no cache) and FusedRMSNormGated (RMSNorm(x) * weight * act(g), fla's norm before its gate)."""
+    row, no cache), FusedRMSNormGated (RMSNorm(x) * weight * act(g), fla's norm before its gate) and RMSNorm (its
+    ungated form, Gated DeltaProduct's without an output gate)."""
     import fla.modules.mlp as fla_mlp
     import torch.nn.functional as F
-    from fla.modules import FusedRMSNormGated, ShortConvolution
+    from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 
     def short_conv(self, x, residual=None, mask=None, cache=None, output_final_state=False, cu_seqlens=None, **kwargs):
         assert residual is None and mask is None and cache is None and cu_seqlens is None, "one sequence per row"
@@ -113,14 +114,18 @@ def torch_for_fla_modules() -> None:
         act = torch.sigmoid if self.activation == "sigmoid" else F.silu
         return F.rms_norm(x, (self.hidden_size,), self.weight, self.eps) * act(g)
 
+    def norm(self, x, residual=None, prenorm=False, residual_in_fp32=False):
+        assert residual is None and not prenorm, "no fused residual"
+        return F.rms_norm(x.to(self.weight.dtype), (self.hidden_size,), self.weight, self.eps).to(x.dtype)
+
     fla_mlp.swiglu = lambda gate, up: F.silu(gate) * up
-    ShortConvolution.forward, FusedRMSNormGated.forward = short_conv, norm_gated
+    ShortConvolution.forward, FusedRMSNormGated.forward, RMSNorm.forward = short_conv, norm_gated, norm
 
 
 def fla_gated_deltaproduct(common: dict, mine, shape: Shape):
     """fla's GatedDeltaProductForCausalLM shaped as `mine` (our deltaproduct DecoderLM: heads, head width, expand_v,
-    conv size, num_householder, allow_neg_eigval, FFN width), with its forget gate and output gate on as ours has
-    them, fla's own init and untied embeddings, torch's norms and loss where its config offers fused ones, and its
+    conv size, num_householder, allow_neg_eigval, FFN width), with its short convs, forget gate and output gate on or
+    off as ours has them, fla's own init and untied embeddings, torch's norms and loss where its config offers fused ones, and its
     Triton calls replaced by the same math (torch_for_fla_modules; its chunked product by fla's own reference
     recurrence, fla/ops/gated_delta_product/naive.py, on q and k L2-normalised as its kernel does)."""
     import fla.layers.gated_deltaproduct as fla_layer
@@ -142,7 +147,8 @@ def fla_gated_deltaproduct(common: dict, mine, shape: Shape):
     m = mine.layers[0].mixer
     return GatedDeltaProductForCausalLM(GatedDeltaProductConfig(
         **common, num_heads=m.num_heads, head_dim=m.head_dim, expand_v=m.expand_v, conv_size=m.conv_size,
-        use_forget_gate=True, use_output_gate=True, allow_neg_eigval=m.allow_neg_eigval, num_householder=m.steps,
+        use_short_conv=m.q_conv is not None, use_forget_gate=m.a_proj is not None, use_output_gate=m.g_proj is not None,
+        allow_neg_eigval=m.allow_neg_eigval, num_householder=m.steps,
         intermediate_size=mine.config.intermediate_size, max_position_embeddings=shape.seq_len, fuse_norm=False,
         fuse_swiglu=False, fuse_cross_entropy=False))
 

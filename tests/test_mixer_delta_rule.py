@@ -6,6 +6,7 @@ their references."""
 import pytest
 import torch
 import torch.nn.functional as F
+from conftest import reinitialised_over_nan
 from test_mixer_gdn import decode_steps, randomise, tiny_model
 
 import model.mixers.delta_rule as delta_rule_mixer
@@ -138,3 +139,30 @@ def test_deltaproduct_steps_per_token():
     gdn.load_state_dict(one.state_dict())
     with torch.no_grad():
         torch.testing.assert_close(one(ids).logits, gdn(ids).logits, rtol=0, atol=1e-5)
+
+
+STATE_TRACKING_FORM = {"num_householder": 2, "allow_neg_eigval": True, "use_short_conv": False,
+                       "use_forget_gate": False, "use_output_gate": False, "chunk_size": 8}
+
+
+def test_deltaproduct_state_tracking_form(op_calls):
+    """use_short_conv, use_forget_gate and use_output_gate off (DeltaProduct's state-tracking model): no convs, decay
+    or gate parameters, q = silu(W_q x) and y = W_o RMSNorm(o); the op gets no decay; init reaches every parameter;
+    decoding equals the full forward and a packed row its documents alone."""
+    model = tiny_model("deltaproduct", deltaproduct=STATE_TRACKING_FORM)
+    mixer = model.layers[0].mixer
+    assert {n for n, _ in mixer.named_parameters()} == {f"{p}.weight" for p in ("q_proj", "k_proj", "v_proj", "b_proj",
+                                                                                 "o_proj", "o_norm")}
+    assert all(p.isfinite().all() for p in reinitialised_over_nan(model).parameters())
+    o = torch.randn(2, 5, mixer.num_v_heads, mixer.head_v_dim)
+    torch.testing.assert_close(mixer.normalize(o, torch.randn(2, 5, 64)), mixer.o_norm(o))
+    randomise(model)
+    ids = torch.randint(0, 64, (2, 21), generator=torch.Generator().manual_seed(2))
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3]] * 2)
+    with torch.no_grad():
+        full = model(ids).logits
+        torch.testing.assert_close(decode_steps(model, ids, 11), full, rtol=0, atol=1e-4)
+        packed = model(ids, position_ids=positions).logits
+        for start, end in ((0, 7), (7, 17), (17, 21)):
+            torch.testing.assert_close(packed[:, start:end], model(ids[:, start:end]).logits, rtol=0, atol=1e-4)
+    assert {dims for dims, _ in op_calls} == {None}

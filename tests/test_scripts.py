@@ -223,33 +223,41 @@ def test_state_tracking_study_deltaproduct_beside_fla(tmp_path):
 def test_fla_deltaproduct_reference_is_our_layer_given_our_weights(monkeypatch):
     """The state-tracking study's reference, fla's Gated DeltaProduct layer with its Triton calls swapped for torch
     (studies/side_by_side.py), computes what our deltaproduct layer computes once it holds our layer's weights, with
-    and without negative eigenvalues: so the study's two sides differ in fla's init and model body, not in the
-    layer's math. The swaps are undone after the test (monkeypatch), as they patch fla's modules process-wide."""
+    and without negative eigenvalues, and in the paper's state-tracking form (no short convs, forget gate or output
+    gate): so the study's two sides differ in fla's init and model body, not in the layer's math. The swaps are
+    undone after the test (monkeypatch), as they patch fla's modules process-wide."""
     pytest.importorskip("fla")
     import fla.layers.gated_deltaproduct as fla_layer
     import fla.modules.mlp as fla_mlp
-    from fla.modules import FusedRMSNormGated, ShortConvolution
+    from fla.modules import FusedRMSNormGated, RMSNorm, ShortConvolution
 
     from studies.side_by_side import Shape, ours, reference
 
     for owner, name in ((fla_layer, "chunk_gated_delta_product"), (fla_mlp, "swiglu"), (ShortConvolution, "forward"),
-                        (FusedRMSNormGated, "forward")):
+                        (FusedRMSNormGated, "forward"), (RMSNorm, "forward")):
         monkeypatch.setattr(owner, name, getattr(owner, name))  # restored at teardown, whatever the swap sets
     shape = Shape(layers=1, heads=2, seq_len=16)
-    for neg in (False, True):
-        options = {"num_householder": 3, "allow_neg_eigval": neg}
+    paper = {"num_householder": 2, "allow_neg_eigval": True, "use_short_conv": False, "use_forget_gate": False,
+             "use_output_gate": False}
+    for options in ({"num_householder": 3, "allow_neg_eigval": False}, {"num_householder": 3, "allow_neg_eigval": True},
+                    paper):
         mine = ours("deltaproduct", 8, 32, "per_mixer", shape, options).layers[0].mixer.double()
         theirs = reference("fla_gated_deltaproduct", 8, 32, shape, options).model.layers[0].attn.double()
+        names = [(o, f) for o, f in (("q_conv.conv", "q_conv1d"), ("k_conv.conv", "k_conv1d"), ("v_conv.conv", "v_conv1d"),
+                                     *((n, n) for n in ("q_proj", "k_proj", "v_proj", "b_proj", "a_proj", "g_proj",
+                                                        "o_proj", "o_norm")))
+                 if getattr(mine, o.split(".")[0]) is not None]
+        assert len(names) == (6 if options is paper else 11)
+        assert {n for n, _ in theirs.named_parameters()} == {f + ".weight" for _, f in names} | (
+            set() if options is paper else {"A_log", "dt_bias"})  # every weight of theirs is ours
         with torch.no_grad():
             for p in mine.parameters():
                 p.normal_(0, 0.3)
-            for ours_name, fla_name in (("q_conv.conv", "q_conv1d"), ("k_conv.conv", "k_conv1d"),
-                                        ("v_conv.conv", "v_conv1d")):
+            for ours_name, fla_name in names:
                 theirs.get_submodule(fla_name).weight.copy_(mine.get_submodule(ours_name).weight)
-            for name in ("q_proj", "k_proj", "v_proj", "b_proj", "a_proj", "g_proj", "o_proj", "o_norm"):
-                theirs.get_submodule(name).weight.copy_(mine.get_submodule(name).weight)
-            theirs.A_log.copy_(mine.A_log)
-            theirs.dt_bias.copy_(mine.dt_bias)
+            if options is not paper:
+                theirs.A_log.copy_(mine.A_log)
+                theirs.dt_bias.copy_(mine.dt_bias)
         x = torch.randn(2, 13, 32, dtype=torch.float64)
         theirs.train()  # chunk mode: the swapped product
         expected = mine(x)

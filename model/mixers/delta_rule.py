@@ -7,6 +7,9 @@
     h_t = h_{t-1} exp(g_t) + k_t u_t^T, u_t = beta_t (v_t - (h_{t-1} exp(g_t))^T k_t),  o_t = h_t^T q_t / sqrt(d_k)
     y = W_o normalize(o, x)
 
+use_short_conv=False (fla's option): q, k, v = silu(W x), without the short convs (no halos under context
+parallelism, no conv tails in a decoding cache).
+
 allow_neg_eigval (as fla's, default off): beta = 2 sigmoid(W_b x) in (0, 2), so the transition I - beta_t k_t k_t^T
 has eigenvalue 1 - beta_t in (-1, 1) along k_t (Grazzi et al. 2025, "Unlocking State-Tracking in Linear RNNs
 Through Negative Eigenvalues", ICLR: parity and modular counting need a negative eigenvalue).
@@ -28,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from transformers import initialization as init
 
 from model.layers import ShortConv, at_least_fp32, init_fan_in_uniform_, residual_scale
@@ -44,6 +48,8 @@ class DeltaRuleOptions:
     head_dim: int | None = option(None, at_least=1)     # None: hidden_size / num_heads
     expand_v: float = option(1, above=0)                # value head width = expand_v * head_dim
     conv_size: int = option(4, at_least=1)
+    use_short_conv: bool = option(True)  # False: q, k, v = silu(W x) without the short convs (fla's use_short_conv;
+    # DeltaProduct's state-tracking model)
     chunk_size: int = option(CHUNK_SIZE, at_least=1)
     allow_neg_eigval: bool = option(False)              # beta = 2 sigmoid(W_b x) in (0, 2) (Grazzi et al. 2025)
     conv_init: str = option("normal", choices=("normal", "uniform"))  # short-conv kernels: N(0, initializer_range)
@@ -87,9 +93,10 @@ class DeltaRuleBlock(nn.Module):
         self.k_proj = nn.Linear(d, self.key_dim * n, bias=False)
         self.v_proj = nn.Linear(d, self.value_dim * n, bias=False)
         self.b_proj = nn.Linear(d, (self.key_dim if self.erase_per_channel else self.num_v_heads) * n, bias=False)
-        self.q_conv = ShortConv(self.key_dim, self.conv_size)
-        self.k_conv = ShortConv(self.key_dim * n, self.conv_size)
-        self.v_conv = ShortConv(self.value_dim * n, self.conv_size)
+        self.q_conv, self.k_conv, self.v_conv = ((ShortConv(self.key_dim, self.conv_size),
+                                                  ShortConv(self.key_dim * n, self.conv_size),
+                                                  ShortConv(self.value_dim * n, self.conv_size))
+                                                 if opts.use_short_conv else (None, None, None))
         self.o_proj = nn.Linear(self.value_dim, d, bias=False)
         self.init_std, self.residual_scale = config.initializer_range, residual_scale(config)
 
@@ -98,8 +105,11 @@ class DeltaRuleBlock(nn.Module):
         for proj in projections:
             init.normal_(proj.weight, mean=0.0, std=self.init_std)
 
+    def short_convs(self) -> list[ShortConv]:
+        return [conv for conv in (self.q_conv, self.k_conv, self.v_conv) if conv is not None]
+
     def init_convs_and_output(self) -> None:
-        for conv in (self.q_conv, self.k_conv, self.v_conv):
+        for conv in self.short_convs():
             if self.conv_init == "uniform":  # depthwise: fan_in = kernel size
                 init_fan_in_uniform_(conv.conv.weight, self.conv_size)
             else:
@@ -109,9 +119,11 @@ class DeltaRuleBlock(nn.Module):
     def forward(self, x: torch.Tensor, cache: dict | None = None, aux=None, segments=None) -> torch.Tensor:
         B, T, _ = x.shape
         H, Hv, K, V, n = self.num_heads, self.num_v_heads, self.head_dim, self.head_v_dim, self.steps
-        q = self.q_conv(self.q_proj(x), cache, "conv_q", segments).view(B, T, H, K)
-        k = self.k_conv(self.k_proj(x), cache, "conv_k", segments).reshape(B, T * n, H, K)  # a token's n steps in a row
-        v = self.v_conv(self.v_proj(x), cache, "conv_v", segments).reshape(B, T * n, Hv, V)
+        q, k, v = (F.silu(proj(x)) if conv is None else conv(proj(x), cache, key, segments)
+                   for proj, conv, key in ((self.q_proj, self.q_conv, "conv_q"), (self.k_proj, self.k_conv, "conv_k"),
+                                           (self.v_proj, self.v_conv, "conv_v")))
+        q, k = q.view(B, T, H, K), k.reshape(B, T * n, H, K)  # a token's n steps in a row
+        v = v.reshape(B, T * n, Hv, V)
         q, k = ((at_least_fp32(t) / torch.sqrt(at_least_fp32(t).pow(2).sum(-1, keepdim=True) + 1e-6)).to(v.dtype)
                 for t in (q, k))
         q, k = repeat_heads(q, Hv), repeat_heads(k, Hv)  # each q, k head shared by Hv / H value heads
@@ -153,7 +165,7 @@ class DeltaRuleBlock(nn.Module):
         """q, k, v, o, b projections, the short convs and the delta rule at the chunk it runs at on `device` (fla's on
         CUDA); a subclass adds its decay and gate."""
         proj = 2 * sum(m.weight.numel() for m in (self.q_proj, self.k_proj, self.v_proj, self.b_proj, self.o_proj))
-        conv = 2 * sum(c.conv.weight.numel() for c in (self.q_conv, self.k_conv, self.v_conv))
+        conv = 2 * sum(c.conv.weight.numel() for c in self.short_convs())
         steps = seq_len * self.steps  # the rule runs over every step of every token
         # the PyTorch form takes its output side at each token's query row alone (one step of self.steps); fla's at every step
         kernel = "fla.ops.kda" if self.per_channel_decay else "fla.ops.gated_delta_rule"

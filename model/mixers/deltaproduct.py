@@ -9,9 +9,12 @@ delta-rule steps per token, each with its own key, value and beta, the decay app
 The transition of a token is a product of n generalized Householder matrices (identity plus rank n): n trades
 speed (n steps per token) for the groups a layer can track (S_n with n steps and negative eigenvalues, the paper's
 theory). allow_neg_eigval: every beta_j in (0, 2), as the rest of the family (fla's layer defaults it on; its
-model config, as here, off). The block is Gated DeltaNet's with W_k, W_v, W_b and their convs n times as wide (the
-n steps' features side by side); the rule runs on model/ops/gated_delta/product.py, the interleaved sequence of
-T n steps (fla's layout), on CUDA through fla's gated delta rule kernels.
+model config, as here, off). use_short_conv, use_forget_gate and use_output_gate (each on by default, as fla's)
+off give the paper's state-tracking model: q, k, v = silu(W x), g = 0, y = W_o RMSNorm(o) (its repository's
+state_tracking/src/main.py; configs/experiment/state_tracking_deltaproduct.yaml). The block is Gated DeltaNet's
+with W_k, W_v, W_b and their convs n times as wide (the n steps' features side by side); the rule runs on
+model/ops/gated_delta/product.py, the interleaved sequence of T n steps (fla's layout), on CUDA through fla's gated
+delta rule kernels.
 
 Init as fla's GatedDeltaProductPreTrainedModel, which is GDN's (model/mixers/gdn.py): every projection and short conv
 N(0, initializer_range), A ~ U(0, 16) stored as log A, softplus(dt_bias) ~ logU(1e-3, 1e-1) floored at 1e-4, with
@@ -29,6 +32,8 @@ from model.registry import MIXERS
 @dataclass
 class DeltaProductOptions(GDNOptions):
     num_householder: int = option(2, at_least=1)  # n: delta-rule steps (Householder factors) per token
+    use_forget_gate: bool = option(True)  # False: no decay, g = 0 (fla's use_forget_gate; the paper's state-tracking model)
+    use_output_gate: bool = option(True)  # False: y = W_o RMSNorm(o) (fla's use_output_gate; the same model)
 
 
 @MIXERS.register("deltaproduct")
@@ -36,8 +41,9 @@ class GatedDeltaProduct(GatedDeltaNet):
     Options = DeltaProductOptions
 
     def __init__(self, config, layer_idx: int = 0):
-        steps = config.options_for_mixer("deltaproduct", DeltaProductOptions).num_householder
-        super().__init__(config, layer_idx, "deltaproduct", steps)
+        opts = config.options_for_mixer("deltaproduct", DeltaProductOptions)
+        super().__init__(config, layer_idx, "deltaproduct", opts.num_householder, opts.use_forget_gate,
+                         opts.use_output_gate)
 
     def rule(self, q, k, v, g, beta, write, initial_state=None, output_final_state=False, cu_seqlens=None,
              decoding=False):

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from model.layers import GatedRMSNorm, at_least_fp32, init_A_log_, init_dt_bias_
+from model.layers import GatedRMSNorm, RMSNorm, at_least_fp32, init_A_log_, init_dt_bias_
 from model.mixers.delta_rule import DeltaRuleBlock, DeltaRuleOptions
 from model.options import option
 from model.registry import MIXERS
@@ -38,30 +38,40 @@ class GDNOptions(DeltaRuleOptions):
 class GatedDeltaNet(DeltaRuleBlock):
     Options = GDNOptions
 
-    def __init__(self, config, layer_idx: int = 0, name: str = "gdn", steps: int = 1):
+    def __init__(self, config, layer_idx: int = 0, name: str = "gdn", steps: int = 1, forget_gate: bool = True,
+                 output_gate: bool = True):
         opts = config.options_for_mixer(name, self.Options)
         super().__init__(config, layer_idx, name, opts, opts.num_v_heads, steps)
         d = config.hidden_size
-        self.a_proj = nn.Linear(d, self.num_v_heads, bias=False)
-        self.g_proj = nn.Linear(d, self.value_dim, bias=False)
-        self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
-        self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
-        self.o_norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, norm_before_gate=True)
+        # forget_gate=False: no decay (g = 0); output_gate=False: y = W_o RMSNorm(o) (fla's use_forget_gate and
+        # use_output_gate, which DeltaProduct's options expose)
+        self.a_proj = nn.Linear(d, self.num_v_heads, bias=False) if forget_gate else None
+        self.g_proj = nn.Linear(d, self.value_dim, bias=False) if output_gate else None
+        if forget_gate:
+            self.A_log = nn.Parameter(torch.empty(self.num_v_heads))
+            self.dt_bias = nn.Parameter(torch.empty(self.num_v_heads))
+        self.o_norm = (GatedRMSNorm(self.head_v_dim, config.rms_norm_eps, norm_before_gate=True) if output_gate
+                       else RMSNorm(self.head_v_dim, config.rms_norm_eps))
 
     def init_parameters(self) -> None:
-        self.init_projections(self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj, self.g_proj)
+        self.init_projections(*(p for p in (self.q_proj, self.k_proj, self.v_proj, self.a_proj, self.b_proj,
+                                            self.g_proj) if p is not None))
         self.init_convs_and_output()
-        init_A_log_(self.A_log, 0.0, 16.0)
-        init_dt_bias_(self.dt_bias)
+        if self.a_proj is not None:
+            init_A_log_(self.A_log, 0.0, 16.0)
+            init_dt_bias_(self.dt_bias)
 
-    def decay(self, x: torch.Tensor) -> torch.Tensor:
+    def decay(self, x: torch.Tensor) -> torch.Tensor | None:
+        if self.a_proj is None:
+            return None
         return -at_least_fp32(self.A_log).exp() * F.softplus(at_least_fp32(self.a_proj(x)) + self.dt_bias)
 
     def normalize(self, o: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        return self.o_norm(o, self.g_proj(x).view(o.shape))
+        return self.o_norm(o) if self.g_proj is None else self.o_norm(o, self.g_proj(x).view(o.shape))
 
     def flops_per_token(self, seq_len: int, device) -> float:
         """Projections, short convs, and the chunked gated delta rule per value head at the chunk it runs at
         on `device` (fla's on CUDA)."""
         d = self.q_proj.in_features
-        return super().flops_per_token(seq_len, device) + 2 * d * (self.value_dim + self.num_v_heads)  # g, a
+        gates = sum(p.weight.numel() for p in (self.g_proj, self.a_proj) if p is not None)
+        return super().flops_per_token(seq_len, device) + 2 * gates
