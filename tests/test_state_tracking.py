@@ -189,3 +189,32 @@ def test_a_tiny_run_logs_the_bands(tmp_path):
     rescored = build_data(cfg.data, 16, cfg.seed).extra_eval(load_lm(tmp_path / "final"), "cpu")
     assert rescored == pytest.approx({n: evals[-1][n] for n in [*names, "val/state_acc"]})
     assert "val/state_acc/128" in out and (tmp_path / "state_acc.png").stat().st_size > 0
+
+
+def test_deltaproduct_protocol_builds_its_model():
+    """The command in configs/experiment/state_tracking_deltaproduct.yaml's header, as written there, builds
+    DeltaProduct's state-tracking model and protocol (its repository's state_tracking/src/main.py): one layer of d 128,
+    8 heads of 32, expand_v 1, FFN 512, no short convs, decay or output gate; T 128; AdamW (0.9, 0.999), weight
+    decay 1e-6, lr 1e-3 on a cosine to 0 without warm-up."""
+    import shlex
+
+    from conftest import ROOT
+    from runs.config import compose, meta_model
+    from training.validation import check_train_config
+
+    header = [line[1:].strip() for line in (ROOT / "configs/experiment/state_tracking_deltaproduct.yaml").read_text()
+              .splitlines() if line.startswith("#")]
+    start = next(i for i, line in enumerate(header) if line.startswith("python train.py "))
+    end = next(i for i in range(start, len(header)) if not header[i].endswith("\\"))
+    overrides = shlex.split(" ".join(line.rstrip("\\") for line in header[start:end + 1]))[2:]
+    cfg = compose(overrides)
+    check_train_config(cfg)
+    lm = meta_model(cfg)
+    mixer = lm.layers[0].mixer
+    assert len(lm.layers) == 1 and lm.config.hidden_size == 128 and lm.config.intermediate_size == 512
+    assert (mixer.steps, mixer.allow_neg_eigval, mixer.num_heads, mixer.head_dim, mixer.head_v_dim) == (2, True, 8, 32, 32)
+    assert {n.split(".")[0] for n, _ in mixer.named_parameters()} == {"q_proj", "k_proj", "v_proj", "b_proj", "o_proj",
+                                                                     "o_norm"}
+    t, o = cfg.trainer, cfg.optimizer
+    assert (t.seq_len, t.lr, t.schedule, t.min_lr_ratio, t.warmup_steps) == (128, 1e-3, "cosine", 0.0, 0)
+    assert (o.name, list(o.betas), o.weight_decay) == ("adamw", [0.9, 0.999], 1e-6)
