@@ -268,6 +268,6 @@ def test_a_misspelt_block_option_is_named_with_the_rest():
     validation and is named beside every other problem (a block without options takes none)."""
     problems = train_config_problems(composed("mixer=gdn", "mixer.options.nope=1", "trainer.lr=-1"))
     assert problems[:2] == ["trainer.lr=-1; valid: a number >= 0", "mixer.options: unknown gdn option(s) ['nope']; "
-                            "valid: num_heads, head_dim, expand_v, conv_size, chunk_size, allow_neg_eigval, conv_init, num_v_heads"]
+                            "valid: num_heads, head_dim, expand_v, conv_size, use_short_conv, chunk_size, allow_neg_eigval, conv_init, num_v_heads"]
     assert train_config_problems(composed("mixer.options.chunk_size=8")) == [
         "mixer.options: softmax takes no options; given ['chunk_size']"]
